@@ -1,0 +1,48 @@
+# make demo  - set up, then run the main job
+# make test  - set up, then run every test
+# Set-up is idempotent: .venv is created if missing, requirements installed
+# once (again when requirements.txt changes), the op library rebuilt when a
+# source under cc/ changes.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+INSTALLED := $(VENV)/.requirements-installed
+LIBRARY := tf_topk/_tf_topk_ops.so
+CC_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cuh' -o -name '*.py')
+PYTEST_ARGS ?=
+
+.PHONY: setup build test demo bench gpu-check clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(INSTALLED): requirements.txt | $(PY)
+	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+$(LIBRARY): $(CC_SOURCES) | $(INSTALLED)
+	$(PY) cc/build_ops.py
+
+setup: $(INSTALLED) $(LIBRARY)
+
+build: setup
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m tf_topk.bench select --n 25000000 --density 0.001
+
+bench: setup
+	$(PY) -m tf_topk.bench select --n 25000000 --density 0.001 --json
+	$(PY) -m tf_topk.bench select --n 25000000 --density 0.001 --dist student_t --json
+
+# Compiles the standalone CUDA harness (no GPU needed); on a GPU machine
+# `python benchmarks/gpu_check.py` also checks and times it.
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py --compile-only
+
+clean:
+	rm -rf build *.egg-info $(LIBRARY) tf_topk/_tf_topk_ops.json benchmarks/gpu/*.so

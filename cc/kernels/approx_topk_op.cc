@@ -1,0 +1,506 @@
+// The OpKernel (argument checks, output allocation) and the CPU functor.
+//
+// CPU algorithm, on the intra-op thread pool, in blocks of the input:
+//   sample     a deterministic strided sample of 32768 entries gives a
+//              prefilter threshold (a bin's lower edge) above which
+//              comfortably more than k entries should lie, whatever the
+//              distribution, and the moments for the gaussian method's fit;
+//   prefilter  one pass collects the indices of entries at or above it
+//              (vectorized compare, rare writes);
+//   plan       the 2048-bin histogram of the candidates finds the threshold
+//              bin exactly as a histogram of the whole input would (whole
+//              bins are in or out); the gaussian method places its threshold
+//              inside that bin with the normal fit (topk_common.h);
+//   select     candidates above the threshold bin fill their slots in index
+//              order; the threshold bin's entries fill the rest: exact takes
+//              the largest by true magnitude (nth_element), gaussian first
+//              those at or above its threshold, in index order, then the
+//              rest of the bin.
+// Small inputs, and the rare case where the sample misleads (fewer than k
+// candidates, or too many), take the fallback: a histogram pass over the
+// whole input, then a compaction pass over the entries in and above the
+// threshold bin.
+// The result is deterministic: same input, same outputs in the same order.
+#define EIGEN_USE_THREADS
+
+#include "approx_topk_op.h"
+
+#include <algorithm>
+#include <functional>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/lib/core/threadpool.h"
+#include "unsupported/Eigen/CXX11/Tensor"
+
+namespace tf_topk {
+
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using CPUDevice = Eigen::ThreadPoolDevice;
+using GPUDevice = Eigen::GpuDevice;
+
+namespace {
+
+constexpr int64_t kMinBlockSize = 1 << 16;
+constexpr int kBlocksPerThread = 4;
+
+// Magnitude bits of the float32 rounding of |x|, the key the histogram uses.
+// float32 keys are exact; wider types round, which keeps order (monotone),
+// so bins never misorder entries; ties inside a bin use the true magnitude.
+template <typename T>
+inline uint32_t KeyOf(T x) {
+  return MagnitudeBits(static_cast<float>(x));
+}
+template <>
+inline uint32_t KeyOf<double>(double x) {
+  if (!std::isfinite(x)) return kInfBits;  // never selected
+  if (x == 0.0) return 0u;
+  uint32_t bits = MagnitudeBits(static_cast<float>(x));
+  if (bits >= kInfBits) return kInfBits - 1u;  // finite beyond float range
+  if (bits == 0u) return 1u;                   // non-zero below float range
+  return bits;
+}
+
+template <typename T>
+inline double MagnitudeOf(T x) {
+  return std::fabs(static_cast<double>(x));
+}
+
+// Fallback pass over input[begin, end): the histogram and the moments of its
+// qualifying entries. Four interleaved sub-histograms break the
+// store-to-load dependency when neighbouring entries share a bin.
+template <typename T>
+Moments HistogramOfBlock(const T* input, int64_t begin, int64_t end,
+                         uint32_t* hist) {
+  std::vector<uint32_t> sub(4 * kNumBins, 0u);
+  Moments moments{0.0, 0.0, 0};
+  auto add = [&](int lane, T x) {
+    const uint32_t key = KeyOf(x);
+    if (!Qualifies(key)) return;
+    ++sub[lane * kNumBins + BinOf(key)];
+    const double v = static_cast<double>(x);
+    moments.sum += v;
+    moments.sum_squares += v * v;
+    moments.count += 1;
+  };
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    for (int lane = 0; lane < 4; ++lane) add(lane, input[i + lane]);
+  }
+  for (; i < end; ++i) add(0, input[i]);
+  for (int b = 0; b < kNumBins; ++b) {
+    hist[b] = sub[b] + sub[kNumBins + b] + sub[2 * kNumBins + b] +
+              sub[3 * kNumBins + b];
+  }
+  return moments;
+}
+
+// The prefilter threshold comes from a sample of this many entries.
+constexpr int64_t kSampleSize = 32768;
+// Inputs smaller than this skip the prefilter: two passes over a small
+// input cost less than the sample's scattered reads.
+constexpr int64_t kMinPrefilterSize = 8 * kSampleSize;
+// A block gives up on the prefilter beyond this fraction of its entries.
+constexpr int64_t kMaxCandidateFraction = 8;
+// Entries the generic (non-float32) prefilter checks per early-out test.
+constexpr int kLanes = 16;
+
+// float32 loops use explicit 4-wide vectors (GCC/Clang vector extensions:
+// SSE2 on x86-64, NEON on Arm); masks are integer arithmetic on raw bits.
+typedef int32_t Int4 __attribute__((vector_size(16)));
+
+struct Sample {
+  std::vector<double> magnitudes;  // of the qualifying sampled entries
+  Moments moments;                 // of the qualifying sampled entries
+  int64_t size;                    // entries sampled, qualifying or not
+};
+
+// A deterministic sample: one entry from each of kSampleSize equal strides,
+// at a pseudo-random offset inside the stride (so periodic structure in the
+// tensor, such as rows of a matrix, does not alias with the sample).
+template <typename T>
+Sample SampleOf(const T* input, int64_t n) {
+  Sample sample{{}, {0.0, 0.0, 0}, kSampleSize};
+  sample.magnitudes.reserve(kSampleSize);
+  const int64_t stride = n / kSampleSize;
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  for (int64_t s = 0; s < kSampleSize; ++s) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const int64_t index = s * stride + static_cast<int64_t>((state >> 33) % stride);
+    const T x = input[index];
+    if (!Qualifies(KeyOf(x))) continue;
+    const double v = static_cast<double>(x);
+    sample.magnitudes.push_back(std::fabs(v));
+    sample.moments.sum += v;
+    sample.moments.sum_squares += v * v;
+    sample.moments.count += 1;
+  }
+  return sample;
+}
+
+// The prefilter threshold: a bin's lower edge below which, judging from the
+// sample, comfortably more than k of the n entries lie above. The margin
+// (twice the expected count plus three standard deviations of the sample
+// count) makes "fewer than k candidates" rare; then the fallback runs.
+// Returns 0 when no useful prefilter exists.
+inline uint32_t PrefilterKey(Sample* sample, int64_t n, int64_t k) {
+  const double expected = static_cast<double>(sample->size) * k / n;
+  const int64_t rank = static_cast<int64_t>(
+      std::ceil(2.0 * expected + 3.0 * std::sqrt(expected) + 8.0));
+  std::vector<double>& m = sample->magnitudes;
+  if (rank >= static_cast<int64_t>(m.size()) ||
+      rank * kMaxCandidateFraction > sample->size) {
+    return 0u;
+  }
+  std::nth_element(m.begin(), m.begin() + rank, m.end(),
+                   [](double a, double b) { return a > b; });
+  const uint32_t key = MagnitudeBits(static_cast<float>(m[rank]));
+  if (!Qualifies(key)) return 0u;
+  return static_cast<uint32_t>(BinOf(key)) << kBinShift;
+}
+
+// Pass 2 (prefilter) over input[begin, end): appends the indices of entries
+// whose key is >= low_key and that qualify. Returns false when more than
+// `limit` were found (the fit was too far off for a prefilter to pay).
+template <typename T>
+bool PrefilterBlock(const T* input, int64_t begin, int64_t end,
+                    uint32_t low_key, int64_t limit,
+                    std::vector<int32_t>* candidates) {
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    int any = 0;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      any |= KeyOf(input[i + lane]) >= low_key;
+    }
+    if (!any) continue;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const uint32_t key = KeyOf(input[i + lane]);
+      if (key >= low_key && key < kInfBits) {
+        candidates->push_back(static_cast<int32_t>(i + lane));
+      }
+    }
+    if (static_cast<int64_t>(candidates->size()) > limit) return false;
+  }
+  for (; i < end; ++i) {
+    const uint32_t key = KeyOf(input[i]);
+    if (key >= low_key && key < kInfBits) {
+      candidates->push_back(static_cast<int32_t>(i));
+    }
+  }
+  return static_cast<int64_t>(candidates->size()) <= limit;
+}
+
+template <>
+bool PrefilterBlock<float>(const float* input, int64_t begin, int64_t end,
+                           uint32_t low_key, int64_t limit,
+                           std::vector<int32_t>* candidates) {
+  // Keys below 2^31 compare correctly as signed integers.
+  const int32_t low = static_cast<int32_t>(low_key);
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    Int4 hit[4];
+    Int4 any = {};
+    for (int group = 0; group < 4; ++group) {
+      Int4 raw;
+      std::memcpy(&raw, input + i + 4 * group, sizeof(raw));
+      hit[group] = (raw & 0x7fffffff) >= low;
+      any |= hit[group];
+    }
+    if (!(any[0] | any[1] | any[2] | any[3])) continue;
+    for (int group = 0; group < 4; ++group) {
+      if (!(hit[group][0] | hit[group][1] | hit[group][2] | hit[group][3])) {
+        continue;
+      }
+      for (int j = 4 * group; j < 4 * group + 4; ++j) {
+        const uint32_t key = KeyOf(input[i + j]);
+        if (key >= low_key && key < kInfBits) {
+          candidates->push_back(static_cast<int32_t>(i + j));
+        }
+      }
+    }
+    if (static_cast<int64_t>(candidates->size()) > limit) return false;
+  }
+  for (; i < end; ++i) {
+    const uint32_t key = KeyOf(input[i]);
+    if (key >= low_key && key < kInfBits) {
+      candidates->push_back(static_cast<int32_t>(i));
+    }
+  }
+  return static_cast<int64_t>(candidates->size()) <= limit;
+}
+
+// Lower edge (magnitude bits) of the threshold bin; the whole bin is
+// collected as tie candidates, whatever the method's threshold inside it.
+inline uint32_t BinLow(const Plan& plan) {
+  return plan.bin < 0 ? kInfBits : static_cast<uint32_t>(plan.bin) << kBinShift;
+}
+
+struct TieCandidate {
+  double magnitude;
+  int32_t index;
+};
+
+// Pass 2 over input[begin, end): writes sure entries from `slot` on and
+// collects tie-range entries.
+template <typename T>
+void CompactBlock(const T* input, int64_t begin, int64_t end,
+                  const Plan& plan, int64_t slot, T* values, int32_t* indices,
+                  std::vector<TieCandidate>* ties) {
+  for (int64_t i = begin; i < end; ++i) {
+    const T x = input[i];
+    const uint32_t key = KeyOf(x);
+    if (key > plan.sure_above) {
+      if (key < kInfBits) {
+        values[slot] = x;
+        indices[slot] = static_cast<int32_t>(i);
+        ++slot;
+      }
+    } else if (key >= BinLow(plan) && key != 0u) {
+      ties->push_back(TieCandidate{MagnitudeOf(x), static_cast<int32_t>(i)});
+    }
+  }
+}
+
+
+// Fills slots [slot, k) from the threshold bin's entries (`ties`, in index
+// order), then zeros. exact: the `need` largest by true magnitude. gaussian:
+// first the entries at or above its threshold inside the bin, in index
+// order, then, if slots remain, the rest of the bin: k slots are filled
+// whenever k entries qualify.
+template <typename T>
+void FinishTies(Method method, const Plan& plan, const T* input,
+                std::vector<TieCandidate>* ties, int64_t slot, int64_t k,
+                T* values, int32_t* indices) {
+  const int64_t take = std::min<int64_t>(plan.need, ties->size());
+  if (method == Method::kExact) {
+    if (take < static_cast<int64_t>(ties->size())) {
+      std::nth_element(ties->begin(), ties->begin() + take, ties->end(),
+                       [](const TieCandidate& a, const TieCandidate& b) {
+                         return a.magnitude > b.magnitude;
+                       });
+    }
+  } else {
+    std::stable_partition(ties->begin(), ties->end(),
+                          [&](const TieCandidate& t) {
+                            return KeyOf(input[t.index]) >= plan.tie_low;
+                          });
+  }
+  for (int64_t j = 0; j < take; ++j, ++slot) {
+    values[slot] = input[(*ties)[j].index];
+    indices[slot] = (*ties)[j].index;
+  }
+  for (; slot < k; ++slot) {
+    values[slot] = T(0);
+    indices[slot] = 0;
+  }
+}
+
+// The threshold plan from a histogram; the gaussian method then places its
+// threshold inside the threshold bin with the normal fit.
+inline Plan MakePlan(const uint32_t* hist, int64_t k, Method method,
+                     const Moments& moments) {
+  Plan plan = PlanFromHistogram(hist, k);
+  if (method == Method::kGaussian) {
+    plan.tie_low = GaussianTieLow(plan, hist, moments);
+  }
+  return plan;
+}
+
+}  // namespace
+
+template <typename T>
+void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
+                                                 const T* input, int64_t n,
+                                                 int64_t k, Method method,
+                                                 T* values,
+                                                 int32_t* indices) {
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  const int threads = std::max(1, pool->NumThreads());
+  const int64_t block_size = std::max<int64_t>(
+      kMinBlockSize, (n + threads * kBlocksPerThread - 1) /
+                         (threads * kBlocksPerThread));
+  const int64_t num_blocks = (n + block_size - 1) / block_size;
+  auto block_begin = [&](int64_t b) { return std::min(n, b * block_size); };
+  // One block per shard: blocks are already sized to spread over threads.
+  const auto one_block_per_shard =
+      ::tsl::thread::ThreadPool::SchedulingParams::Fixed(1);
+  auto for_each_block = [&](const std::function<void(int64_t)>& fn) {
+    pool->ParallelFor(num_blocks, one_block_per_shard,
+                      [&](int64_t first, int64_t last) {
+                        for (int64_t b = first; b < last; ++b) fn(b);
+                      });
+  };
+
+  // The sample gives the prefilter threshold and, for the gaussian method,
+  // the moments of the normal fit.
+  Sample sample{{}, {0.0, 0.0, 0}, 0};
+  uint32_t low_key = 0u;
+  if (n >= kMinPrefilterSize) {
+    sample = SampleOf(input, n);
+    low_key = PrefilterKey(&sample, n, k);
+  }
+  // One pass: collect the entries at or above the prefilter threshold.
+  if (low_key != 0u) {
+    std::vector<std::vector<int32_t>> block_candidates(num_blocks);
+    std::vector<char> block_ok(num_blocks, 0);
+    for_each_block([&](int64_t b) {
+      const int64_t begin = block_begin(b), end = block_begin(b + 1);
+      block_ok[b] = PrefilterBlock(input, begin, end, low_key,
+                                   (end - begin) / kMaxCandidateFraction + 64,
+                                   &block_candidates[b]);
+    });
+    if (std::all_of(block_ok.begin(), block_ok.end(),
+                    [](char ok) { return ok != 0; })) {
+      std::vector<uint32_t> hist(kNumBins, 0u);
+      for (const auto& candidates : block_candidates) {
+        for (int32_t index : candidates) ++hist[BinOf(KeyOf(input[index]))];
+      }
+      const Plan plan = MakePlan(hist.data(), k, method, sample.moments);
+      if (plan.bin >= 0) {  // at least k candidates: the whole answer is here
+        int64_t slot = 0;
+        std::vector<TieCandidate> ties;
+        for (const auto& candidates : block_candidates) {
+          for (int32_t index : candidates) {
+            const uint32_t key = KeyOf(input[index]);
+            if (key > plan.sure_above) {
+              values[slot] = input[index];
+              indices[slot] = index;
+              ++slot;
+            } else if (key >= BinLow(plan)) {
+              ties.push_back(TieCandidate{MagnitudeOf(input[index]), index});
+            }
+          }
+        }
+        FinishTies(method, plan, input, &ties, slot, k, values, indices);
+        return;
+      }
+    }
+  }
+
+  // Fallback passes: histogram of the whole input, then compaction. Each
+  // block's output offset is known from its own histogram, so blocks write
+  // in parallel and in index order.
+  std::vector<uint32_t> block_hists(num_blocks * kNumBins);
+  std::vector<Moments> block_moments(num_blocks);
+  for_each_block([&](int64_t b) {
+    block_moments[b] = HistogramOfBlock(input, block_begin(b),
+                                        block_begin(b + 1),
+                                        &block_hists[b * kNumBins]);
+  });
+  std::vector<uint32_t> hist(kNumBins, 0u);
+  Moments moments{0.0, 0.0, 0};
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    for (int bin = 0; bin < kNumBins; ++bin) {
+      hist[bin] += block_hists[b * kNumBins + bin];
+    }
+    moments.sum += block_moments[b].sum;
+    moments.sum_squares += block_moments[b].sum_squares;
+    moments.count += block_moments[b].count;
+  }
+  const Plan plan = MakePlan(hist.data(), k, method, moments);
+  std::vector<int64_t> offsets(num_blocks + 1, 0);
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    int64_t sure = 0;
+    for (int bin = plan.bin + 1; bin < kNumBins; ++bin) {
+      sure += block_hists[b * kNumBins + bin];
+    }
+    offsets[b + 1] = offsets[b] + sure;
+  }
+  std::vector<std::vector<TieCandidate>> block_ties(num_blocks);
+  for_each_block([&](int64_t b) {
+    CompactBlock(input, block_begin(b), block_begin(b + 1), plan, offsets[b],
+                 values, indices, &block_ties[b]);
+  });
+  std::vector<TieCandidate> ties;
+  for (auto& t : block_ties) ties.insert(ties.end(), t.begin(), t.end());
+  FinishTies(method, plan, input, &ties, offsets[num_blocks], k, values,
+             indices);
+}
+
+template <typename Device, typename T>
+class ApproxTopKOp : public OpKernel {
+ public:
+  explicit ApproxTopKOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string method;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("method", &method));
+    if (method == "gaussian") {
+      method_ = Method::kGaussian;
+    } else if (method == "exact") {
+      method_ = Method::kExact;
+    } else {
+      ctx->CtxFailure(absl::InvalidArgumentError(
+          "method must be 'gaussian' or 'exact', got '" + method + "'"));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& k_tensor = ctx->input(1);
+    OP_REQUIRES(ctx, k_tensor.dims() == 0,
+                absl::InvalidArgumentError(
+                    "k must be a scalar, got shape " +
+                    k_tensor.shape().DebugString()));
+    const int64_t k = k_tensor.scalar<int32_t>()();
+    const int64_t n = x.NumElements();
+    OP_REQUIRES(ctx, k >= 0,
+                absl::InvalidArgumentError("k must be >= 0, got k = " +
+                                           std::to_string(k)));
+    OP_REQUIRES(
+        ctx, n <= std::numeric_limits<int32_t>::max(),
+        absl::InvalidArgumentError(
+            "x has " + std::to_string(n) +
+            " entries; at most 2^31 - 1 are supported (indices are int32)"));
+    OP_REQUIRES(ctx, k <= n,
+                absl::InvalidArgumentError(
+                    "k must be <= the number of entries of x (" +
+                    std::to_string(n) + "), got k = " + std::to_string(k)));
+    Tensor* values = nullptr;
+    Tensor* indices = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
+    if (k == 0) return;
+    ApproxTopKFunctor<Device, T>()(ctx, x.flat<T>().data(), n, k, method_,
+                                   values->flat<T>().data(),
+                                   indices->flat<int32_t>().data());
+  }
+
+ private:
+  Method method_ = Method::kGaussian;
+};
+
+#define TF_TOPK_REGISTER_CPU(T)                                      \
+  template struct ApproxTopKFunctor<CPUDevice, T>;                   \
+  REGISTER_KERNEL_BUILDER(Name("ImportTfTopk>ApproxTopK")            \
+                              .Device(::tensorflow::DEVICE_CPU)      \
+                              .TypeConstraint<T>("T"),               \
+                          ApproxTopKOp<CPUDevice, T>);
+TF_TOPK_REGISTER_CPU(float);
+TF_TOPK_REGISTER_CPU(Eigen::half);
+TF_TOPK_REGISTER_CPU(Eigen::bfloat16);
+TF_TOPK_REGISTER_CPU(double);
+#undef TF_TOPK_REGISTER_CPU
+
+#if GOOGLE_CUDA
+#define TF_TOPK_REGISTER_GPU(T)                                      \
+  extern template struct ApproxTopKFunctor<GPUDevice, T>;            \
+  REGISTER_KERNEL_BUILDER(Name("ImportTfTopk>ApproxTopK")            \
+                              .Device(::tensorflow::DEVICE_GPU)      \
+                              .TypeConstraint<T>("T")                \
+                              .HostMemory("k"),                      \
+                          ApproxTopKOp<GPUDevice, T>);
+TF_TOPK_REGISTER_GPU(float);
+TF_TOPK_REGISTER_GPU(Eigen::half);
+TF_TOPK_REGISTER_GPU(Eigen::bfloat16);
+#undef TF_TOPK_REGISTER_GPU
+#endif  // GOOGLE_CUDA
+
+}  // namespace tf_topk

@@ -1,0 +1,125 @@
+"""Helpers for tests that start real worker processes through `tf_topk.launch`.
+
+Not a test module. Workers are real processes on free localhost ports, using
+TensorFlow's own collective runtime; `run_workers` stops every worker and its
+process group before returning, also on failure or timeout, so no process or
+port outlives a test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `pytest` (not `python -m pytest`) without an installed tf_topk
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def _package_import_error():
+    try:
+        import tf_topk  # noqa: F401  (loads the op library)
+    except Exception as e:  # ImportError, or TF's error for a broken library
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+# TEMPORARY: while tf_topk/__init__.py cannot be imported (its op library not
+# built yet), the modules under test are loaded from their files; they need
+# nothing from the package. Remove once the package always imports.
+PACKAGE_IMPORT_ERROR = _package_import_error()
+
+
+def import_tf_topk_module(dotted: str):
+    """Import `tf_topk.<dotted>`, or load its file directly if the package cannot import."""
+    if PACKAGE_IMPORT_ERROR is None:
+        return importlib.import_module(f"tf_topk.{dotted}")
+    name = "_tf_topk_by_path_" + dotted.replace(".", "_")
+    if name not in sys.modules:
+        path = REPO_ROOT / "tf_topk" / (dotted.replace(".", "/") + ".py")
+        print(f"note: tf_topk does not import ({PACKAGE_IMPORT_ERROR}); loading {path}", file=sys.stderr)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+launch = import_tf_topk_module("launch")
+LaunchResult, run_workers = launch.LaunchResult, launch.run_workers
+# The documented command line, or the module file run as a script (stdlib only).
+LAUNCH_CLI = (
+    [sys.executable, "-m", "tf_topk.launch"]
+    if PACKAGE_IMPORT_ERROR is None
+    else [sys.executable, str(REPO_ROOT / "tf_topk" / "launch.py")]
+)
+WORKERS_DIR = Path(__file__).resolve().parent / "workers"
+
+# Generous: a 2-worker TF run takes ~10 s on a 2-core machine. A hung
+# collective is stopped at this limit instead of hanging the test session.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+def worker_env(**extra: str) -> dict:
+    """Environment for worker processes: this checkout importable, quiet TF, no GPU."""
+    pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {
+        "PYTHONPATH": pythonpath,
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        "CUDA_VISIBLE_DEVICES": "-1",
+    }
+    env.update(extra)
+    return env
+
+
+def run_script(
+    script: str, *args: str, workers: int = 2, timeout: float = DEFAULT_TIMEOUT_S, **run_kwargs
+) -> LaunchResult:
+    """Run `tests/workers/<script>` as `workers` processes with TF_CONFIG set."""
+    argv = [sys.executable, str(WORKERS_DIR / script), *map(str, args)]
+    env = worker_env(**run_kwargs.pop("env", {}))
+    return run_workers(workers, argv, env=env, timeout=timeout, **run_kwargs)
+
+
+def assert_ok(result: LaunchResult) -> None:
+    """Fail with every worker's output tail unless all workers exited 0."""
+    assert result.ok, "workers failed:\n" + result.format_failure()
+
+
+def load_json(path: Path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_weights(path: Path) -> list:
+    """The arrays saved by `np.savez(path, *weights)`, in order."""
+    with np.load(path) as data:
+        return [data[f"arr_{i}"] for i in range(len(data.files))]
+
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` runs; a zombie (dead, not reaped by PID 1 in a container) is not alive."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_dead(pids, timeout: float = 5.0) -> list:
+    """Wait until none of `pids` is alive; return those still alive at the deadline."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.05)

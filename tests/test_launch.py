@@ -1,0 +1,163 @@
+"""Tests of tf_topk.launch with real processes (tests/workers/behave.py, no TensorFlow)."""
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from multiworker import LAUNCH_CLI, REPO_ROOT, WORKERS_DIR, launch, load_json, run_script, wait_dead, worker_env
+
+BEHAVE = str(WORKERS_DIR / "behave.py")
+
+
+def test_tf_config_has_free_distinct_ports_and_own_index(tmp_path):
+    result = run_script("behave.py", "--record", tmp_path, "extra-arg", workers=3, timeout=30)
+    assert result.ok, result.format_failure()
+    assert len(set(result.ports)) == 3 and all(0 < p < 65536 for p in result.ports)
+    for i in range(3):
+        record = load_json(tmp_path / f"worker_{i}.json")
+        assert record["tf_config"] == {
+            "cluster": {"worker": [f"localhost:{p}" for p in result.ports]},
+            "task": {"type": "worker", "index": i},
+        }
+        assert record["rest"] == ["extra-arg"]  # script arguments are passed through
+
+
+def test_output_is_prefixed_merged_and_captured():
+    stream = io.StringIO()
+    result = run_script("behave.py", "--stderr", "--no-newline", workers=2, timeout=30, stream=stream)
+    assert result.ok, result.format_failure()
+    lines = stream.getvalue().splitlines()
+    assert lines and all(re.match(r"\[worker [01]\] ", line) for line in lines), lines
+    for i in range(2):
+        for text in (f"hello from {i}", f"stderr from {i}", f"partial from {i}"):
+            assert f"[worker {i}] {text}" in lines
+        # captured output is per worker and unprefixed
+        assert result.outputs[i].splitlines() == [f"hello from {i}", f"stderr from {i}", f"partial from {i}"]
+
+
+def test_no_prefix():
+    stream = io.StringIO()
+    result = run_script("behave.py", workers=2, timeout=30, stream=stream, line_prefix=False)
+    assert result.ok
+    assert sorted(stream.getvalue().splitlines()) == ["hello from 0", "hello from 1"]
+
+
+def test_failing_worker_code_propagates_and_hanging_sibling_is_stopped():
+    # Worker 0 would sleep 1000 s; worker 1 exits 3 after 0.3 s.
+    result = run_script("behave.py", "--exit", "1:3", "--hang", workers=2, timeout=60, stream=io.StringIO())
+    assert result.failed_worker == 1
+    assert result.returncode == 3
+    assert result.returncodes[1] == 3
+    assert result.returncodes[0] == -signal.SIGTERM
+    assert not result.timed_out
+    assert result.duration_s < 15
+
+
+def test_sigterm_ignoring_sibling_gets_sigkill():
+    result = run_script(
+        "behave.py", "--exit", "1:4", "--hang", "--ignore-sigterm",
+        workers=2, timeout=60, grace_s=0.5, stream=io.StringIO(),
+    )
+    assert result.returncode == 4
+    assert result.returncodes[0] == -signal.SIGKILL
+
+
+def test_grandchildren_are_stopped_with_their_worker(tmp_path):
+    result = run_script(
+        "behave.py", "--grandchild", tmp_path, "--exit", "1:5", "--delay", "1.0", "--hang",
+        workers=2, timeout=60, stream=io.StringIO(),
+    )
+    assert result.returncode == 5, result.format_failure()
+    pids = [int((tmp_path / f"grandchild_{i}").read_text()) for i in range(2)]
+    assert not wait_dead(pids), f"grandchildren {pids} outlived the launch"
+
+
+def test_timeout_stops_everything():
+    result = run_script("behave.py", "--hang", workers=2, timeout=1.0, stream=io.StringIO())
+    assert result.timed_out
+    assert result.returncode == launch.TIMEOUT_EXIT_CODE == 124
+    assert all(c is not None and c < 0 for c in result.returncodes)
+    assert result.duration_s < 10
+
+
+def test_library_argument_errors():
+    with pytest.raises(ValueError, match="at least one worker"):
+        launch.run_workers(0, [sys.executable, BEHAVE])
+    with pytest.raises(ValueError, match="argv is empty"):
+        launch.run_workers(1, [])
+    with pytest.raises(ValueError, match="2 ports for 3 workers"):
+        launch.run_workers(3, [sys.executable, BEHAVE], ports=[1, 2])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--workers", "0", BEHAVE], "--workers must be at least 1"),
+        (["--workers", "2", "no/such/script.py"], "script not found: no/such/script.py"),
+        (["--workers", "2", "--port-base", "x", BEHAVE], "'auto' or an integer"),
+        (["--workers", "2", "--timeout", "-1", BEHAVE], "--timeout must be positive"),
+        (["--workers", "2"], "required: script"),
+    ],
+)
+def test_cli_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        launch.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _cli(*args):
+    return [*LAUNCH_CLI, *map(str, args)]
+
+
+def test_cli_exit_code_prefix_and_script_args(tmp_path):
+    proc = subprocess.run(
+        _cli("--workers", "2", "--timeout", "60", BEHAVE, "--exit", "0:7", "--hang", "--record", tmp_path),
+        cwd=REPO_ROOT, env={**os.environ, **worker_env()}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 7, proc.stderr
+    assert "[worker 0] hello from 0" in proc.stdout.splitlines()
+    assert "worker 0 exited with code 7" in proc.stderr
+    # options after the script name belong to the script, not the launcher
+    assert load_json(tmp_path / "worker_1.json")["argv"] == ["--exit", "0:7", "--hang", "--record", str(tmp_path)]
+
+
+def test_cli_timeout_exits_124():
+    proc = subprocess.run(
+        _cli("--workers", "2", "--timeout", "1", BEHAVE, "--hang"),
+        cwd=REPO_ROOT, env={**os.environ, **worker_env()}, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 124, proc.stderr
+    assert "timed out after 1s" in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_cli_signal_stops_all_workers(sig, tmp_path):
+    # The launcher runs in its own group so this test can always clean it up.
+    proc = subprocess.Popen(
+        _cli("--workers", "2", "--timeout", "100", BEHAVE, "--grandchild", tmp_path, "--hang"),
+        cwd=REPO_ROOT, env={**os.environ, **worker_env()}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"grandchild_{i}").exists() for i in range(2)):
+            assert proc.poll() is None and time.monotonic() < deadline, "workers did not start"
+            time.sleep(0.05)
+        pids = [int((tmp_path / f"grandchild_{i}").read_text()) for i in range(2)]
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + sig, err
+        assert "workers stopped" in err
+        assert not wait_dead(pids), f"grandchildren {pids} outlived the launcher"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

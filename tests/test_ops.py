@@ -1,0 +1,244 @@
+"""The selection op against a numpy reference: every method, dtype, edge case."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_topk
+from tf_topk import ops
+
+DTYPES = [tf.float32, tf.float16, tf.bfloat16, tf.float64]
+METHODS = ["exact", "gaussian"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def qualifying_magnitudes(x):
+    flat = np.abs(np.asarray(x, dtype=np.float64).reshape(-1))
+    return flat[np.isfinite(flat) & (flat != 0)]
+
+
+def check_common(x, k, values, indices):
+    """What both methods promise: shapes, values == x[indices], spare slots."""
+    flat = np.asarray(x).reshape(-1)
+    values, indices = np.asarray(values), np.asarray(indices)
+    assert values.shape == (k,) and indices.shape == (k,)
+    assert indices.dtype == np.int32
+    assert np.all((indices >= 0) & (indices < max(1, flat.size)))
+    filled = values != 0
+    np.testing.assert_array_equal(values[filled], flat[indices[filled]])
+    assert np.all(indices[~filled] == 0)
+    assert np.all(np.isfinite(values.astype(np.float64)))
+    assert len(set(indices[filled].tolist())) == int(filled.sum()), "an entry was selected twice"
+    expected_count = min(k, qualifying_magnitudes(flat).size)
+    return filled, expected_count
+
+
+def check_exact(x, k, values, indices):
+    filled, expected_count = check_common(x, k, values, indices)
+    assert filled.sum() == expected_count
+    got = np.sort(np.abs(np.asarray(values, dtype=np.float64)[filled]))
+    want = np.sort(qualifying_magnitudes(x))[::-1][:expected_count][::-1]
+    np.testing.assert_array_equal(got, want)
+
+
+def make(shape, dtype, seed=0, dist="normal"):
+    rng = np.random.default_rng(seed)
+    data = rng.standard_normal(shape) if dist == "normal" else rng.standard_t(3, size=shape)
+    return tf.constant(data.astype(np.float32), dtype=dtype) if dtype != tf.float64 else tf.constant(data)
+
+
+# Sizes cover the small-input path (two passes) and the sampled prefilter path
+# (n >= 262144), several shapes, and k from 1 to n.
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("shape,k", [((1,), 1), ((7,), 3), ((10, 100), 10), ((1000,), 1000),
+                                      ((300_000,), 300), ((512, 1024), 5243), ((400_001,), 4000)])
+def test_exact_matches_numpy(dtype, shape, k):
+    x = make(shape, dtype, seed=k)
+    values, indices = tf_topk.approx_topk(x, k, method="exact")
+    check_exact(x.numpy(), k, values.numpy(), indices.numpy())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("dist", ["normal", "student_t"])
+@pytest.mark.parametrize("n,k", [(1000, 10), (300_000, 300), (1_000_000, 1000), (1_000_000, 100_000)])
+def test_gaussian_recall_and_count(dtype, dist, n, k):
+    x = make((n,), dtype, seed=n + k, dist=dist)
+    values, indices = tf_topk.approx_topk(x, k, method="gaussian")
+    filled, expected_count = check_common(x.numpy(), k, values.numpy(), indices.numpy())
+    assert filled.sum() == expected_count  # k slots are filled whenever k entries qualify
+    _, exact_indices = tf_topk.approx_topk(x, k, method="exact")
+    recall = len(set(exact_indices.numpy().tolist()) & set(indices.numpy()[filled].tolist())) / k
+    assert recall >= 0.9, recall
+    # Every selected magnitude is at least the exact threshold's bin's lower edge.
+    threshold = np.sort(qualifying_magnitudes(x.numpy()))[-k]
+    assert np.abs(values.numpy()[filled].astype(np.float64)).min() >= threshold * 0.89
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_non_finite_entries_are_never_selected(method):
+    x = np.random.default_rng(1).standard_normal(500_000).astype(np.float32)
+    x[::1000] = np.nan
+    x[7::1000] = np.inf
+    x[9::1000] = -np.inf
+    k = 2000  # fewer than the 1500 non-finite entries would not test much
+    values, indices = tf_topk.approx_topk(tf.constant(x), k, method=method)
+    assert np.all(np.isfinite(values.numpy()))
+    assert np.all(np.isfinite(x[indices.numpy()]))
+    if method == "exact":
+        check_exact(x, k, values.numpy(), indices.numpy())
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n", [100, 400_000])
+def test_fewer_qualifying_than_k_fills_spare_slots_with_zero(method, n):
+    x = np.zeros(n, np.float32)
+    x[[3, 50, 77]] = [1.0, -2.0, np.nan]
+    values, indices = tf_topk.approx_topk(tf.constant(x), 10, method=method)
+    assert sorted(values.numpy().tolist()) == [-2.0] + [0.0] * 8 + [1.0]
+    assert sorted(indices.numpy()[values.numpy() != 0].tolist()) == [3, 50]
+    assert np.all(indices.numpy()[values.numpy() == 0] == 0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_all_zero_and_all_nan_give_only_spare_slots(method):
+    for fill in (0.0, np.nan):
+        x = tf.fill([1000], tf.constant(fill, tf.float32))
+        values, indices = tf_topk.approx_topk(x, 5, method=method)
+        np.testing.assert_array_equal(values.numpy(), np.zeros(5, np.float32))
+        np.testing.assert_array_equal(indices.numpy(), np.zeros(5, np.int32))
+
+
+@pytest.mark.parametrize("n", [1000, 500_000])
+def test_exact_with_many_ties(n):
+    x = np.where(np.arange(n) % 3 == 0, 2.0, -1.0).astype(np.float32)
+    k = n // 2  # all the 2.0s (a third of n) and some of the -1.0s
+    values, indices = tf_topk.approx_topk(tf.constant(x), k, method="exact")
+    check_exact(x, k, values.numpy(), indices.numpy())
+
+
+def test_outputs_are_deterministic():
+    x = make((600_000,), tf.float32, seed=3)
+    for method in METHODS:
+        first = tf_topk.approx_topk(x, 6000, method=method)
+        second = tf_topk.approx_topk(x, 6000, method=method)
+        np.testing.assert_array_equal(first[1].numpy(), second[1].numpy())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_k_zero_and_empty_input_give_empty_outputs(method):
+    values, indices = tf_topk.approx_topk(tf.constant([1.0, 2.0]), 0, method=method)
+    assert values.shape == (0,) and indices.shape == (0,)
+    values, indices = tf_topk.approx_topk(tf.zeros([0, 3]), 0, method=method)
+    assert values.shape == (0,) and indices.shape == (0,)
+
+
+def test_bad_arguments_name_the_argument_and_value():
+    x = tf.constant([1.0, 2.0, 3.0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be >= 0, got k = -1"):
+        tf_topk.approx_topk(x, -1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be <= .*\(3\), got k = 4"):
+        tf_topk.approx_topk(x, 4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"x must be .* got dtype int32"):
+        tf_topk.approx_topk(tf.constant([1, 2]), 1)
+    with pytest.raises(ValueError, match=r"method must be one of .* got 'median'"):
+        tf_topk.approx_topk(x, 1, method="median")
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be an int"):
+        tf_topk.approx_topk(x, 1.5)
+
+
+def test_bad_k_tensor_is_checked_by_the_kernel():
+    x = tf.constant([1.0, 2.0, 3.0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be <= .*\(3\), got k = 5"):
+        tf_topk.approx_topk(x, tf.constant(5))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be >= 0, got k = -2"):
+        tf_topk.approx_topk(x, tf.constant(-2))
+
+
+def test_size_limit_is_checked_from_the_static_shape():
+    # A placeholder shape, never materialised: 2^31 entries.
+    @tf.function(input_signature=[tf.TensorSpec([2**16, 2**15], tf.float32)])
+    def select(x):
+        return tf_topk.approx_topk(x, 1)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"2147483648 entries; at most 2\^31 - 1"):
+        select.get_concrete_function()
+
+
+def test_static_shape_in_tf_function_and_dynamic_k():
+    @tf.function
+    def static(x):
+        values, indices = tf_topk.approx_topk(x, 4)
+        assert values.shape.as_list() == [4] and indices.shape.as_list() == [4]
+        return values
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32), tf.TensorSpec([], tf.int32)])
+    def dynamic(x, k):
+        values, _ = tf_topk.approx_topk(x, k, method="exact")
+        assert values.shape.as_list() == [None]
+        return values
+
+    x = make((100,), tf.float32)
+    assert static(x).shape == (4,)
+    check_exact(x.numpy(), 7, dynamic(x, tf.constant(7)).numpy(),
+                tf_topk.approx_topk(x, 7, method="exact")[1].numpy())
+
+
+def test_op_is_not_differentiable():
+    x = tf.Variable([1.0, -5.0, 2.0])
+    with tf.GradientTape() as tape:
+        values, _ = tf_topk.approx_topk(x, 2)
+        loss = tf.reduce_sum(values)
+    assert tape.gradient(loss, x) is None
+
+
+def test_version_check_names_both_versions_and_the_rebuild_command():
+    with pytest.raises(ops.LibraryVersionError) as info:
+        ops.check_build_version("2.20.0", "2.21.0")
+    message = str(info.value)
+    assert "2.20.0" in message and "2.21.0" in message and "build_ops.py" in message
+    ops.check_build_version(tf.__version__, tf.__version__)  # no error
+
+
+def _run_python(code, cwd):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONPATH=REPO)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_saved_model_runs_in_a_fresh_process_after_import(tmp_path):
+    export = str(tmp_path / "model")
+
+    class Selector(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+        def select(self, x):
+            return tf_topk.approx_topk(x, 2, method="exact")
+
+    tf.saved_model.save(Selector(), export)
+    loaded_ok = _run_python(f"""
+        import tensorflow as tf, tf_topk
+        m = tf.saved_model.load({export!r})
+        v, i = m.select(tf.constant([0.5, -4.0, 3.0, 1.0]))
+        print(sorted(i.numpy().tolist()))
+    """, cwd=str(tmp_path))
+    assert loaded_ok.returncode == 0, loaded_ok.stderr[-3000:]
+    assert loaded_ok.stdout.strip().splitlines()[-1] == "[1, 2]"
+    without_import = _run_python(f"""
+        import tensorflow as tf
+        tf.saved_model.load({export!r})
+    """, cwd=str(tmp_path))
+    assert without_import.returncode != 0
+    assert "ImportTfTopk>ApproxTopK" in without_import.stderr
+
+
+def test_jit_compile_is_not_supported():
+    @tf.function(jit_compile=True)
+    def select(x):
+        return tf_topk.approx_topk(x, 1)
+
+    with pytest.raises((tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError)):
+        select(tf.constant([1.0, 2.0]))

@@ -1,0 +1,59 @@
+"""Worker for launcher tests: print, fail, hang or spawn children on request.
+
+No TensorFlow: it starts in milliseconds. Options (all optional):
+  --record DIR        write TF_CONFIG and the argv to DIR/worker_{i}.json
+  --stderr            also print a line to stderr
+  --no-newline        end with a partial line (no trailing newline)
+  --exit I:CODE       worker I exits with CODE after --delay seconds
+  --delay S           (default 0.3)
+  --ignore-sigterm    ignore SIGTERM (the launcher must SIGKILL)
+  --grandchild DIR    start a `sleep` grandchild and write its pid to DIR/grandchild_{i}
+  --hang              every worker not told to exit sleeps "forever"
+Without --hang, workers not told to exit return 0.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--record")
+p.add_argument("--stderr", action="store_true")
+p.add_argument("--no-newline", action="store_true")
+p.add_argument("--exit", action="append", default=[])
+p.add_argument("--delay", type=float, default=0.3)
+p.add_argument("--ignore-sigterm", action="store_true")
+p.add_argument("--grandchild")
+p.add_argument("--hang", action="store_true")
+args, rest = p.parse_known_args()
+
+config = json.loads(os.environ["TF_CONFIG"])
+index = config["task"]["index"]
+if args.ignore_sigterm:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if args.record:
+    with open(os.path.join(args.record, f"worker_{index}.json"), "w") as f:
+        json.dump({"tf_config": config, "argv": sys.argv[1:], "rest": rest}, f)
+if args.grandchild:
+    child = subprocess.Popen(["sleep", "1000"])
+    path = os.path.join(args.grandchild, f"grandchild_{index}")
+    with open(path + ".tmp", "w") as f:
+        f.write(str(child.pid))
+    os.replace(path + ".tmp", path)  # readers never see a partial file
+
+print(f"hello from {index}", flush=True)
+if args.stderr:
+    print(f"stderr from {index}", file=sys.stderr, flush=True)
+if args.no_newline:
+    print(f"partial from {index}", end="", flush=True)
+
+codes = dict(map(int, e.split(":")) for e in args.exit)
+if index in codes:
+    time.sleep(args.delay)
+    sys.exit(codes[index])
+if args.hang:
+    time.sleep(1000)

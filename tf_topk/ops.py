@@ -1,0 +1,122 @@
+"""The selection op: loading the library once, argument checks, the signature.
+
+The op library (`_tf_topk_ops.so`, built from `cc/` by `pip install -e .` or
+`python cc/build_ops.py`) is loaded on `import tf_topk`. Set TF_TOPK_LIBRARY to
+load another build of it (for example the one Bazel produces).
+"""
+
+import json
+import os
+
+import tensorflow as tf
+
+OP_NAME = "ImportTfTopk>ApproxTopK"
+METHODS = ("gaussian", "exact")
+SUPPORTED_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64)
+MAX_SIZE = 2**31 - 1
+REBUILD_COMMAND = "pip install --no-build-isolation -e .  (or: python cc/build_ops.py)"
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_DEFAULT_LIBRARY = os.path.join(_PACKAGE_DIR, "_tf_topk_ops.so")
+
+
+class LibraryVersionError(ImportError):
+    """The op library was built against another TensorFlow than the running one."""
+
+
+def library_path():
+    """The op library that `import tf_topk` loads (TF_TOPK_LIBRARY overrides)."""
+    return os.environ.get("TF_TOPK_LIBRARY") or _DEFAULT_LIBRARY
+
+
+def check_build_version(built_against, running):
+    """Raise LibraryVersionError unless the library matches this TensorFlow."""
+    if built_against != running:
+        raise LibraryVersionError(
+            f"tf_topk's op library was built against TensorFlow {built_against}, but TensorFlow "
+            f"{running} is running. Rebuild it with: {REBUILD_COMMAND}"
+        )
+
+
+def _load_library(path):
+    if not os.path.exists(path):
+        raise ImportError(f"tf_topk's op library is missing ({path}). Build it with: {REBUILD_COMMAND}")
+    info_path = os.path.splitext(path)[0] + ".json"
+    if os.path.exists(info_path):
+        with open(info_path) as f:
+            check_build_version(json.load(f).get("tensorflow_version"), tf.__version__)
+    try:
+        return tf.load_op_library(path)
+    except tf.errors.NotFoundError as error:  # undefined symbols: another TF build
+        raise LibraryVersionError(
+            f"tf_topk's op library at {path} does not load into TensorFlow {tf.__version__} ({error}). "
+            f"Rebuild it with: {REBUILD_COMMAND}"
+        ) from error
+
+
+_library = _load_library(library_path())
+# Generated wrapper name of "ImportTfTopk>ApproxTopK".
+_approx_topk_raw = _library.import_tf_topk_approx_top_k
+tf.no_gradient(OP_NAME)
+
+
+def _invalid(message):
+    return tf.errors.InvalidArgumentError(None, None, message)
+
+
+def approx_topk(x, k, method="gaussian", name=None):
+    """Select the ~k entries of largest magnitude of `x` (treated as flat).
+
+    Args:
+      x: a float32, float16, bfloat16 or float64 tensor of any shape.
+      k: number of entries to return: a Python int (the outputs then have the
+        static shape [k]) or an int32 scalar tensor. 0 <= k <= size(x).
+      method: "gaussian" (default) or "exact". Both locate the threshold in a
+        2048-bin logarithmic histogram of magnitudes (bins 1/8 octave wide).
+        "exact" returns the k largest magnitudes (ties broken any way).
+        "gaussian" fits a normal distribution to the data's mean and standard
+        deviation to place the threshold inside the threshold bin, takes the
+        bin's entries above it, then fills any slots left with the rest of the
+        bin: every returned entry lies within one bin (12.5%) of the exact
+        threshold, and recall against "exact" is typically above 0.98. On the
+        GPU it needs fewer passes over memory than "exact".
+      name: optional op name.
+
+    Returns:
+      (values, indices): `values` has the dtype of `x`, `indices` is int32, both
+      of shape [k]. values[i] == reshape(x, [-1])[indices[i]], signed.
+
+    Only finite, non-zero entries are selected: NaN, +Inf, -Inf and zeros never
+    are. When fewer than k entries qualify, the spare slots hold value 0 at
+    index 0, which adds nothing when scattered back with a scatter-add.
+    The op has no gradient and no XLA kernel: it is not supported inside
+    `tf.function(jit_compile=True)`.
+
+    Example:
+      >>> x = tf.constant([[0.1, -3.0], [2.0, 0.5]])
+      >>> values, indices = tf_topk.approx_topk(x, 2, method="exact")
+      >>> sorted(values.numpy().tolist())
+      [-3.0, 2.0]
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    with tf.name_scope(name or "approx_topk"):
+        x = tf.convert_to_tensor(x)
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise _invalid(
+                f"x must be float32, float16, bfloat16 or float64, got dtype {x.dtype.name}")
+        size = x.shape.num_elements()
+        if size is not None and size > MAX_SIZE:
+            raise _invalid(f"x has {size} entries; at most 2^31 - 1 are supported (indices are int32)")
+        if isinstance(k, bool) or not (isinstance(k, int) or tf.is_tensor(k)):
+            if hasattr(k, "__index__"):  # numpy integers
+                k = int(k)
+            else:
+                raise _invalid(f"k must be an int or an int32 scalar tensor, got {k!r}")
+        if isinstance(k, int):
+            if k < 0:
+                raise _invalid(f"k must be >= 0, got k = {k}")
+            if size is not None and k > size:
+                raise _invalid(f"k must be <= the number of entries of x ({size}), got k = {k}")
+        k = tf.cast(k, tf.int32) if tf.is_tensor(k) else tf.constant(k, tf.int32)
+        return _approx_topk_raw(x, k, method=method)
