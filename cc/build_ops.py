@@ -62,6 +62,18 @@ def find_nvcc():
     return nvcc
 
 
+def find_cuda_home(nvcc):
+    """The CUDA toolkit folder: CUDA_HOME, else the one holding nvcc (through
+    wrapper scripts such as /usr/local/bin/nvcc), else /usr/local/cuda."""
+    candidates = [os.environ.get("CUDA_HOME", ""),
+                  os.path.dirname(os.path.dirname(os.path.realpath(nvcc))), "/usr/local/cuda"]
+    for home in candidates:
+        if home and os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+            return home
+    raise SystemExit(f"nvcc found at {nvcc}, but no CUDA toolkit with include/cuda_runtime.h; set CUDA_HOME "
+                     "(or TF_TOPK_CUDA=0 to build without CUDA kernels)")
+
+
 def cuda_shim_include(cuda_home, workdir):
     """TensorFlow's GPU headers include "third_party/gpus/cuda/include/...";
     the pip wheel does not ship that folder, so point it at the CUDA toolkit."""
@@ -92,12 +104,14 @@ def build(output=DEFAULT_OUTPUT):
     cpu_sources, cuda_sources = sources()
     nvcc = find_nvcc()
     with_cuda = nvcc is not None and bool(cuda_sources)
-    common = ["-O3", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interference-size", "-I", os.path.join(CC_DIR, "kernels"), "-I", CC_DIR] + compile_flags
+    common = ["-I", os.path.join(CC_DIR, "kernels"), "-I", CC_DIR] + compile_flags
+    # TensorFlow's own headers trigger these warnings; they say nothing about cc/.
+    gxx_only = ["-O3", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interference-size"]
     with tempfile.TemporaryDirectory(prefix="tf_topk_build_") as workdir:
         objects = []
         link_extra = []
         if with_cuda:
-            cuda_home = os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+            cuda_home = find_cuda_home(nvcc)
             shim = cuda_shim_include(cuda_home, workdir)
             common += ["-DGOOGLE_CUDA=1", "-I", shim, "-I", os.path.join(cuda_home, "include")]
             gencode = []
@@ -106,14 +120,14 @@ def build(output=DEFAULT_OUTPUT):
             gencode += ["-gencode", f"arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}"]
             for source in cuda_sources:
                 obj = os.path.join(workdir, os.path.basename(source) + ".o")
-                host_flags = [f for f in common if f not in ("-fPIC", "--std=c++17", "-O3")]
+                host_flags = [f for f in common if f != "--std=c++17"]
                 _run([nvcc, "-c", "-std=c++17", "-O3", "-x", "cu", "-Xcompiler", "-fPIC",
                       "--expt-relaxed-constexpr", "-DNDEBUG", *gencode, *host_flags, source, "-o", obj])
                 objects.append(obj)
             link_extra = ["-L", os.path.join(cuda_home, "lib64"), "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
         for source in cpu_sources:
             obj = os.path.join(workdir, os.path.basename(source) + ".o")
-            _run(["g++", "-c", *common, source, "-o", obj])
+            _run(["g++", "-c", *gxx_only, *common, source, "-o", obj])
             objects.append(obj)
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         tmp_output = output + ".tmp"

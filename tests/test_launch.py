@@ -161,3 +161,15 @@ def test_cli_signal_stops_all_workers(sig, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_launch_module_needs_no_tensorflow():
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('launch', {str(REPO_ROOT / 'tf_topk' / 'launch.py')!r}); "
+        "m = sys.modules['launch'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+        "print(sorted(k for k in ('tensorflow', 'keras', 'numpy') if k in sys.modules))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"

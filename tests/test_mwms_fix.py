@@ -1,7 +1,8 @@
 """Tests of tf_topk.keras.mwms_fix (keras#20585) with real 2-worker MWMS runs.
 
 The multi-worker tests start two processes through tf_topk.launch, with
-TensorFlow's collective runtime on free localhost ports (~10 s each here).
+TensorFlow's collective runtime on free localhost ports (~7-17 s each on a
+2-core machine; marked `slow`).
 """
 
 import logging
@@ -26,6 +27,7 @@ def _numpy_logits(weights):
     return hidden @ weights[2] + weights[3], y
 
 
+@pytest.mark.slow  # TensorFlow in 2 processes: ~7-17 s on 2 cores
 def test_fit_evaluate_predict_under_mwms_with_fix(tmp_path):
     result = run_script(
         "fit_digits.py", "--out", tmp_path, "--fix", "--epochs", "3", "--evaluate", "--predict", workers=2
@@ -62,6 +64,7 @@ def test_fit_evaluate_predict_under_mwms_with_fix(tmp_path):
         np.testing.assert_allclose(np.load(tmp_path / f"predict_{i}.npy"), logits, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # TensorFlow in 2 processes: ~7-17 s on 2 cores
 def test_unpatched_fit_under_mwms_still_fails(tmp_path):
     """Shows keras#20585 without the fix; fails loudly once upstream fixes it."""
     result = run_script("fit_digits.py", "--out", tmp_path, "--no-fix", "--epochs", "1", workers=2)
@@ -80,6 +83,7 @@ def test_unpatched_fit_under_mwms_still_fails(tmp_path):
     assert "PerReplica" in errors[0]["message"], errors[0]
 
 
+@pytest.mark.slow  # one TensorFlow process training 4 models: ~10-16 s
 def test_fix_changes_nothing_for_other_strategies():
     """No strategy and MirroredStrategy: bitwise-identical training before and after the fix."""
     result = run_script("local_strategies.py", workers=1)

@@ -2,7 +2,8 @@
 
 This is a small local launcher for `tf.distribute.MultiWorkerMirroredStrategy`
 (MWMS): it lets one machine play a whole cluster, for development, examples
-and tests. It does not import TensorFlow.
+and tests. This module imports only the standard library (though
+``python -m tf_topk.launch`` first runs ``tf_topk/__init__.py``).
 
 Command line::
 
