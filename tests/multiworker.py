@@ -8,8 +8,6 @@ port outlives a test.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import os
 import sys
@@ -22,43 +20,10 @@ if str(REPO_ROOT) not in sys.path:  # `pytest` (not `python -m pytest`) without 
     sys.path.insert(0, str(REPO_ROOT))
 
 
-def _package_import_error():
-    try:
-        import tf_topk  # noqa: F401  (loads the op library)
-    except Exception as e:  # ImportError, or TF's error for a broken library
-        return f"{type(e).__name__}: {e}"
-    return None
+from tf_topk import launch  # noqa: E402
 
-
-# TEMPORARY: while tf_topk/__init__.py cannot be imported (its op library not
-# built yet), the modules under test are loaded from their files; they need
-# nothing from the package. Remove once the package always imports.
-PACKAGE_IMPORT_ERROR = _package_import_error()
-
-
-def import_tf_topk_module(dotted: str):
-    """Import `tf_topk.<dotted>`, or load its file directly if the package cannot import."""
-    if PACKAGE_IMPORT_ERROR is None:
-        return importlib.import_module(f"tf_topk.{dotted}")
-    name = "_tf_topk_by_path_" + dotted.replace(".", "_")
-    if name not in sys.modules:
-        path = REPO_ROOT / "tf_topk" / (dotted.replace(".", "/") + ".py")
-        print(f"note: tf_topk does not import ({PACKAGE_IMPORT_ERROR}); loading {path}", file=sys.stderr)
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-launch = import_tf_topk_module("launch")
 LaunchResult, run_workers = launch.LaunchResult, launch.run_workers
-# The documented command line, or the module file run as a script (stdlib only).
-LAUNCH_CLI = (
-    [sys.executable, "-m", "tf_topk.launch"]
-    if PACKAGE_IMPORT_ERROR is None
-    else [sys.executable, str(REPO_ROOT / "tf_topk" / "launch.py")]
-)
+LAUNCH_CLI = [sys.executable, "-m", "tf_topk.launch"]
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
 
 # Generous: a 2-worker TF run takes ~10 s on a 2-core machine. A hung

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from sklearn.datasets import load_digits
 
-from multiworker import assert_ok, import_tf_topk_module, load_json, load_weights, run_script
+from multiworker import assert_ok, load_json, load_weights, run_script
 
-mwms_fix = import_tf_topk_module("keras.mwms_fix")
+from tf_topk.keras import mwms_fix  # noqa: E402
 
 ERROR_EXIT_CODE = 17  # tests/workers/fit_digits.py: fit or evaluate raised
 

@@ -36,11 +36,7 @@ def main():
     import keras
     from sklearn.datasets import load_digits
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from multiworker import import_tf_topk_module  # TEMPORARY: see multiworker.PACKAGE_IMPORT_ERROR
-
-    mwms_fix = import_tf_topk_module("keras.mwms_fix")
-    apply_mwms_fix, is_mwms_fix_applied = mwms_fix.apply_mwms_fix, mwms_fix.is_mwms_fix_applied
+    from tf_topk.keras.mwms_fix import apply_mwms_fix, is_mwms_fix_applied
 
     if args.fix:
         apply_mwms_fix()

@@ -21,10 +21,7 @@ import keras
 from keras.src.backend.tensorflow import trainer as trainer_module
 from sklearn.datasets import load_digits
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from multiworker import import_tf_topk_module  # noqa: E402  TEMPORARY: see multiworker.PACKAGE_IMPORT_ERROR
-
-mwms_fix = import_tf_topk_module("keras.mwms_fix")
+from tf_topk.keras import mwms_fix  # noqa: E402
 
 x, y = load_digits(return_X_y=True)
 x = (x / 16.0).astype("float32")[:640]

@@ -1,3 +1,12 @@
-"""Keras adapter of tf_topk: the optimizer wrapper, callbacks and narrowly scoped Keras fixes."""
+"""Keras adapter of tf_topk: the optimizer wrapper, callbacks and the narrowly scoped Keras fix.
+
+`TopKOptimizer` applies the keras#20585 fix (`apply_mwms_fix`) when it is
+constructed; a plain optimizer trained with `model.fit` under
+MultiWorkerMirroredStrategy needs `tf_topk.keras.apply_mwms_fix()` first.
+"""
 
 from tf_topk.keras.mwms_fix import apply_mwms_fix, is_mwms_fix_applied
+from tf_topk.keras.optimizer import TopKOptimizer
+from tf_topk.keras.callbacks import CompressionStats
+
+__all__ = ["CompressionStats", "TopKOptimizer", "apply_mwms_fix", "is_mwms_fix_applied"]

@@ -1,0 +1,315 @@
+"""A tf.distribute custom training loop with top-k sparsified, error-compensated gradients.
+
+`tf_topk.SparseExchange` replaces the dense gradient all-reduce inside
+`strategy.run`; any Keras optimizer then applies the summed gradients.
+
+    python examples/custom_loop.py                         # one process, the local devices
+    python examples/custom_loop.py --logical-cpus 2        # two replicas in one process
+    python -m tf_topk.launch --workers 2 examples/custom_loop.py --epochs 3   # two workers (MWMS)
+
+Data: scikit-learn's digits (offline) by default; `--dataset mnist|cifar10`
+downloads through keras.datasets. The model is a small MLP on flattened inputs.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+DATASETS = ("digits", "mnist", "cifar10")
+DEFAULT_LEARNING_RATES = {"sgd": 0.05, "adam": 1e-3}
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def density(text):
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description="Custom training loop (strategy.run) with tf_topk.SparseExchange and a Keras optimizer.")
+    parser.add_argument("--dataset", choices=DATASETS, default="digits",
+                        help="digits (scikit-learn, offline; default), mnist or cifar10 (downloaded by keras.datasets)")
+    parser.add_argument("--optimizer", choices=sorted(DEFAULT_LEARNING_RATES), default="sgd",
+                        help="Keras optimizer applying the exchanged gradients (default: sgd, momentum 0.9)")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="default: 0.05 for sgd, 0.001 for adam")
+    parser.add_argument("--density", type=density, default=0.01,
+                        help="fraction of each large variable's gradient entries sent per step (default 0.01)")
+    parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian",
+                        help="selection method of tf_topk.approx_topk (default gaussian)")
+    parser.add_argument("--epochs", type=positive_int, default=5)
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="at most this many steps per epoch (default: the whole training set)")
+    parser.add_argument("--batch-size", type=positive_int, default=64,
+                        help="global batch size, split evenly over the replicas (default 64)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--logical-cpus", type=positive_int, default=None, metavar="N",
+                        help="split the CPU into N logical devices and mirror over them (N replicas in one process)")
+    parser.add_argument("--check-replicas", action="store_true",
+                        help="print a checksum of the weights on every local replica (they must be identical)")
+    parser.add_argument("--nan-at-step", type=int, default=None, metavar="S",
+                        help="make replica 0's gradient NaN at global step S, to show that the step is skipped")
+    parser.add_argument("--summary-json", default=None, metavar="PATH",
+                        help="also write the numbers printed as JSON; '{worker}' in PATH is replaced by the "
+                             "worker index (without it, only the chief writes)")
+    args = parser.parse_args(argv)
+    if args.learning_rate is None:
+        args.learning_rate = DEFAULT_LEARNING_RATES[args.optimizer]
+    elif args.learning_rate <= 0:
+        parser.error(f"--learning-rate must be positive, got {args.learning_rate}")
+    if args.logical_cpus is not None and os.environ.get("TF_CONFIG"):
+        parser.error("--logical-cpus is for single-process runs; TF_CONFIG is set (multi-worker run), "
+                     "where each worker contributes one replica")
+    replicas_hint = args.logical_cpus or 1
+    if args.batch_size % replicas_hint:
+        parser.error(f"--batch-size {args.batch_size} must be divisible by the {replicas_hint} replicas")
+    return args
+
+
+def load_data(name, seed):
+    """(x_train, y_train), (x_test, y_test) as flat float32 features in [0, 1] and int32 labels."""
+    import numpy as np
+
+    if name == "digits":
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        x, y = load_digits(return_X_y=True)
+        x_train, x_test, y_train, y_test = train_test_split(
+            x / 16.0, y, test_size=0.2, random_state=seed, stratify=y)
+    else:
+        import keras
+
+        loader = {"mnist": keras.datasets.mnist, "cifar10": keras.datasets.cifar10}[name]
+        try:
+            (x_train, y_train), (x_test, y_test) = loader.load_data()
+        except Exception as error:  # urllib/ssl/OS errors: all mean "no download"
+            sys.exit(f"error: could not download {name} through keras.datasets ({type(error).__name__}: {error}).\n"
+                     f"It needs internet access (or the file already in ~/.keras/datasets). "
+                     f"The default --dataset digits works offline.")
+        x_train, x_test = x_train / 255.0, x_test / 255.0
+
+    def flat(x, y):
+        return x.reshape(len(x), -1).astype(np.float32), y.reshape(-1).astype(np.int32)
+
+    return flat(x_train, y_train), flat(x_test, y_test)
+
+
+def make_strategy(args):
+    """MWMS under TF_CONFIG, else MirroredStrategy over several local devices, else the default.
+
+    Must run before any other TensorFlow work: both the logical device split
+    and MWMS configure the runtime, which is fixed once it starts.
+    """
+    import tensorflow as tf
+
+    if os.environ.get("TF_CONFIG"):
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+        resolver = strategy.cluster_resolver
+        is_chief = resolver.task_type == "chief" or (
+            resolver.task_type == "worker" and resolver.task_id == 0
+            and "chief" not in resolver.cluster_spec().as_dict())
+        return strategy, resolver.task_id, is_chief
+    if args.logical_cpus and args.logical_cpus > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * args.logical_cpus)
+        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.logical_cpus)]), 0, True
+    if len(tf.config.list_physical_devices("GPU")) > 1:
+        return tf.distribute.MirroredStrategy(), 0, True
+    return tf.distribute.get_strategy(), 0, True
+
+
+def make_model(features, classes):
+    import keras
+
+    return keras.Sequential([
+        keras.Input((features,)),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(classes),
+    ])
+
+
+def make_optimizer(name, learning_rate):
+    import keras
+
+    if name == "sgd":
+        return keras.optimizers.SGD(learning_rate, momentum=0.9)
+    return keras.optimizers.Adam(learning_rate)
+
+
+def skip_keras_all_reduce(optimizer):
+    """Stop a Keras optimizer from all-reducing the gradients it is given.
+
+    Keras 3's TensorFlow optimizer sums gradients over replicas inside
+    `apply()` (there is no public switch, keras#19308). The exchange already
+    returns the sum, so a second all-reduce would both multiply it by the
+    number of replicas and send the dense gradients after all.
+    """
+    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise RuntimeError("this Keras version has no TFOptimizer._all_reduce_sum_gradients; "
+                           "check how its optimizer aggregates gradients before using this example")
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+    return optimizer
+
+
+def replica_checksums(strategy, variables):
+    """sha256 of the weights held by each local replica, in replica order."""
+    per_replica = [strategy.experimental_local_results(getattr(v, "value", v)) for v in variables]
+    sums = []
+    for copies in zip(*per_replica):
+        digest = hashlib.sha256()
+        for copy in copies:
+            digest.update(copy.numpy().tobytes())
+        sums.append(digest.hexdigest()[:16])
+    return sums
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    (x_train, y_train), (x_test, y_test) = load_data(args.dataset, args.seed)
+
+    strategy, worker, is_chief = make_strategy(args)
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_topk
+
+    def say(*parts):
+        if is_chief:
+            print(*parts, flush=True)
+
+    replicas = strategy.num_replicas_in_sync
+    if args.batch_size % replicas:
+        sys.exit(f"error: --batch-size {args.batch_size} must be divisible by the {replicas} replicas")
+    keras.utils.set_random_seed(args.seed)  # same initial weights on every worker
+
+    with strategy.scope():
+        model = make_model(x_train.shape[1], int(y_train.max()) + 1)
+        optimizer = skip_keras_all_reduce(make_optimizer(args.optimizer, args.learning_rate))
+        optimizer.build(model.trainable_variables)  # its slots are created here, in the scope
+        exchange = tf_topk.SparseExchange(model.trainable_variables, density=args.density, method=args.method)
+    variables = model.trainable_variables
+
+    say(f"{type(strategy).__name__}: {replicas} replica(s); {args.dataset}: {len(x_train)} train / "
+        f"{len(x_test)} test examples; {args.optimizer} lr {args.learning_rate:g}")
+    say(f"exchange: {len(exchange.sparse_positions)} variable(s) sparsified at density {args.density:g} "
+        f"({args.method}), {len(exchange.dense_positions)} small one(s) all-reduced densely, "
+        f"{exchange.num_buckets} all_gather(s) per step")
+
+    # Each worker builds the same shuffled global batches and takes its shard;
+    # drop_remainder keeps every replica's batch the same size.
+    dataset = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
+               .shuffle(len(x_train), seed=args.seed, reshuffle_each_iteration=True)
+               .batch(args.batch_size, drop_remainder=True))
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    dist_dataset = strategy.experimental_distribute_dataset(dataset.with_options(options))
+    steps_per_epoch = len(x_train) // args.batch_size
+    if args.steps:
+        steps_per_epoch = min(steps_per_epoch, args.steps)
+
+    def replica_step(x, y, poison):
+        """Forward, backward and exchange on one replica; returns what the update needs."""
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            per_example = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
+            # Scaled by the GLOBAL batch: the exchange sums over replicas.
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=args.batch_size)
+            replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+            scale = tf.where(tf.logical_and(poison, tf.equal(replica_id, 0)), float("nan"), 1.0)
+            grad_loss = loss * scale  # --nan-at-step: a broken gradient on one replica only
+        grads = tape.gradient(grad_loss, variables)
+        result = exchange(grads, step=optimizer.iterations)
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1, output_type=tf.int32), y), tf.float32))
+        return loss, correct, result.grads, result.all_finite, result.stats
+
+    @tf.function
+    def train_step(batch, poison):
+        x, y = batch
+        loss, correct, grads, all_finite, stats = strategy.run(replica_step, args=(x, y, poison))
+        # all_finite is the same on every replica. The condition must be taken
+        # here, in cross-replica context: a tf.cond inside strategy.run whose
+        # branch calls optimizer.apply (a merge_call) is not supported.
+        finite = strategy.experimental_local_results(all_finite)[0]
+
+        def apply():
+            strategy.run(lambda g: optimizer.apply(g, variables), args=(grads,))
+            return tf.constant(True)
+
+        applied = tf.cond(finite, apply, lambda: tf.constant(False))
+        first = lambda value: strategy.experimental_local_results(value)[0]  # noqa: E731
+        return (strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
+                strategy.reduce(tf.distribute.ReduceOp.SUM, correct, axis=None),
+                applied, first(stats["bytes_sent"]), first(stats["bytes_dense"]))
+
+    @tf.function
+    def predict(x):
+        return tf.argmax(model(x, training=False), -1, output_type=tf.int32)
+
+    summary = {"strategy": type(strategy).__name__, "replicas": replicas, "worker": worker,
+               "epochs": [], "skipped_steps": []}
+    global_step = 0
+    for epoch in range(args.epochs):
+        start = time.time()
+        total_loss = total_correct = 0.0
+        steps = 0
+        iterator = iter(dist_dataset)
+        for _ in range(steps_per_epoch):
+            poison = tf.constant(global_step == args.nan_at_step)
+            loss, correct, applied, bytes_sent, bytes_dense = train_step(next(iterator), poison)
+            if not bool(applied):
+                summary["skipped_steps"].append(global_step)
+                say(f"step {global_step}: non-finite gradient on some replica: update skipped on every "
+                    f"replica, residuals kept")
+            total_loss += float(loss)
+            total_correct += float(correct)
+            steps += 1
+            global_step += 1
+        record = {"loss": total_loss / steps, "accuracy": total_correct / (steps * args.batch_size),
+                  "seconds": time.time() - start}
+        summary["epochs"].append(record)
+        say(f"epoch {epoch + 1}/{args.epochs}: loss {record['loss']:.4f}, accuracy {record['accuracy']:.4f} "
+            f"({steps} steps, {record['seconds']:.1f}s)")
+
+    test_accuracy = float(np.mean(predict(tf.constant(x_test)).numpy() == y_test))
+    summary.update(test_accuracy=test_accuracy, bytes_sent=float(bytes_sent), bytes_dense=float(bytes_dense),
+                   weights_finite=all(bool(np.all(np.isfinite(v.numpy()))) for v in variables))
+    say(f"test accuracy: {test_accuracy:.4f}")
+    if replicas > 1:
+        say(f"bytes sent per step and replica: {float(bytes_sent):,.0f} (dense all-reduce: "
+            f"{float(bytes_dense):,.0f}, {100.0 * float(bytes_sent) / float(bytes_dense):.1f}%)")
+    else:
+        say("one replica: nothing is exchanged (selection and error feedback still run)")
+    if summary["skipped_steps"]:
+        say(f"skipped steps (non-finite gradients): {summary['skipped_steps']}")
+    if args.check_replicas:
+        checksums = replica_checksums(strategy, variables)
+        summary["checksums"] = checksums
+        first_id = worker * len(checksums)
+        for i, checksum in enumerate(checksums):  # every worker prints its own replicas
+            print(f"replica {first_id + i} weights sha256 {checksum}", flush=True)
+        if is_chief and len(set(checksums)) == 1 and len(checksums) > 1:
+            print(f"all {len(checksums)} local replicas hold identical weights", flush=True)
+    if args.summary_json and (is_chief or "{worker}" in args.summary_json):
+        with open(args.summary_json.replace("{worker}", str(worker)), "w") as f:
+            json.dump(summary, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

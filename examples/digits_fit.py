@@ -1,0 +1,177 @@
+"""Keras `model.fit` with TopKOptimizer: the one-line change, on scikit-learn's digits.
+
+Single process:
+    python examples/digits_fit.py --density 0.01 --epochs 5
+Two logical CPUs in one process (MirroredStrategy, 2 replicas):
+    python examples/digits_fit.py --logical-cpus 2
+Two local workers (MultiWorkerMirroredStrategy through TF_CONFIG):
+    python -m tf_topk.launch --workers 2 examples/digits_fit.py --density 0.01 --epochs 5
+The dense baseline (the inner optimizer alone, dense all-reduce):
+    python -m tf_topk.launch --workers 2 examples/digits_fit.py --dense
+
+Prints per-epoch progress, the test accuracy, the bytes each worker sends per
+step and the median step time. `--out DIR` writes worker<i>.json (results) and
+worker<i>.npz (final weights) for comparisons.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--density", type=float, default=0.01, help="fraction of entries sent per step")
+    parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian")
+    parser.add_argument("--dense", action="store_true", help="train with the plain optimizer (dense all-reduce)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.05 for sgd, 0.002 for adam")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--dataset", choices=("digits", "mnist", "cifar10"), default="digits")
+    parser.add_argument("--logical-cpus", type=int, default=0,
+                        help="split the CPU into this many logical devices and use MirroredStrategy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="folder for worker<i>.json and worker<i>.npz")
+    parser.add_argument("--verbose", type=int, default=2, help="Keras verbosity on the chief (0, 1, 2)")
+    args = parser.parse_args(argv)
+    if not 0 < args.density <= 1:
+        parser.error(f"--density must be in (0, 1], got {args.density}")
+    if args.epochs < 1 or args.batch_size < 1:
+        parser.error("--epochs and --batch-size must be >= 1")
+    if args.logical_cpus and "TF_CONFIG" in os.environ:
+        parser.error("--logical-cpus is for single-process runs; under the launcher each worker has one replica")
+    return args
+
+
+def load_data(name, seed):
+    """(x_train, y_train, x_test, y_test) as float32 features and int32 labels."""
+    import numpy as np
+
+    if name == "digits":
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        x, y = load_digits(return_X_y=True)
+        x_train, x_test, y_train, y_test = train_test_split(
+            (x / 16.0).astype("float32"), y.astype("int32"), test_size=0.2, random_state=seed, stratify=y)
+        return x_train, y_train, x_test, y_test
+    import keras
+
+    loader = {"mnist": keras.datasets.mnist, "cifar10": keras.datasets.cifar10}[name]
+    try:
+        (x_train, y_train), (x_test, y_test) = loader.load_data()
+    except Exception as error:  # no internet: say so instead of a long traceback
+        raise SystemExit(f"--dataset {name} needs to download the data set and failed ({error}); "
+                         "use --dataset digits (offline)") from error
+    flat = lambda a: (a.reshape(len(a), -1) / 255.0).astype("float32")  # noqa: E731
+    return flat(x_train), y_train.reshape(-1).astype("int32"), flat(x_test), y_test.reshape(-1).astype("int32")
+
+
+class StepTimer:
+    """Wall time of each training batch (a Keras callback, built lazily)."""
+
+    def __new__(cls):
+        import keras
+
+        class _StepTimer(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.times = []
+
+            def on_train_batch_begin(self, batch, logs=None):
+                self._start = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                self.times.append(time.perf_counter() - self._start)
+
+        return _StepTimer()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import numpy as np
+    import tensorflow as tf
+
+    if args.logical_cpus:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration()] * args.logical_cpus)
+    import keras
+
+    import tf_topk
+
+    if "TF_CONFIG" in os.environ:
+        tf_topk.keras.apply_mwms_fix()  # keras#20585, also for the dense baseline
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    elif args.logical_cpus:
+        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.logical_cpus)])
+    else:
+        strategy = tf.distribute.get_strategy()
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+    worker = int(task.get("index", 0))
+    chief = worker == 0
+    replicas = strategy.num_replicas_in_sync
+
+    x_train, y_train, x_test, y_test = load_data(args.dataset, args.seed)
+    keras.utils.set_random_seed(args.seed)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((x_train.shape[1],)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(int(y_train.max()) + 1),
+        ])
+        if args.optimizer == "sgd":
+            inner = keras.optimizers.SGD(args.learning_rate or 0.05, momentum=0.9)
+        else:
+            inner = keras.optimizers.Adam(args.learning_rate or 0.002)
+        optimizer = inner if args.dense else tf_topk.TopKOptimizer(inner, density=args.density,
+                                                                   method=args.method)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    timer = StepTimer()
+    callbacks = [timer] if args.dense else [timer, tf_topk.keras.CompressionStats()]
+    if chief:
+        mode = "dense all-reduce" if args.dense else f"TopK density {args.density} ({args.method})"
+        print(f"{args.dataset}: {len(x_train)} train / {len(x_test)} test, {model.count_params()} parameters, "
+              f"{replicas} replica(s), {mode}", flush=True)
+    history = model.fit(x_train, y_train, epochs=args.epochs, batch_size=args.batch_size,
+                        verbose=args.verbose if chief else 0, callbacks=callbacks)
+    test_loss, test_accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
+
+    params = model.count_params()
+    dense_bytes = 2.0 * (replicas - 1) / replicas * 4 * params if replicas > 1 else 0.0
+    stats = {} if args.dense else optimizer.compression_stats()
+    bytes_per_step = dense_bytes if args.dense else stats["bytes_sent"]
+    step_time = statistics.median(timer.times[len(timer.times) // 5:]) if timer.times else float("nan")
+    result = {
+        "worker": worker, "replicas": replicas, "dense": args.dense, "density": None if args.dense else args.density,
+        "test_accuracy": float(test_accuracy), "test_loss": float(test_loss),
+        "loss": [float(v) for v in history.history["loss"]],
+        "bytes_per_step": float(bytes_per_step), "dense_bytes_per_step": float(dense_bytes),
+        "median_step_seconds": step_time, "steps": int(optimizer.iterations.numpy()),
+        "skipped_steps": 0 if args.dense else int(optimizer.skipped_steps.numpy()),
+        "compression": stats,
+    }
+    if chief:
+        ratio = f" ({dense_bytes / bytes_per_step:.0f}x fewer than dense)" if bytes_per_step and not args.dense else ""
+        print(f"test accuracy: {test_accuracy:.4f}", flush=True)
+        print(f"bytes sent per worker per step: {bytes_per_step:,.0f}{ratio}; dense all-reduce: {dense_bytes:,.0f}",
+              flush=True)
+        print(f"median step time: {step_time * 1000:.1f} ms", flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"worker{worker}.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        np.savez(os.path.join(args.out, f"worker{worker}.npz"), *[w for w in model.get_weights()])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
