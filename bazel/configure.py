@@ -102,8 +102,12 @@ def write_bazelrc(tf_config, cuda_home, nvcc, archs, path=BAZELRC):
         "TF_TOPK_CUDA_ARCHS": ",".join(archs) if cuda_home else "",
     }
     lines = ["# Written by bazel/configure.py (python: %s); imported by .bazelrc. Do not edit." % sys.executable]
-    for key, value in settings.items():
-        lines.append(f"build --repo_env={_quote(f'{key}={value}')}")
+    # build (and test, run, info, cquery, aquery, which inherit it) and the
+    # commands that load packages without it: the same settings everywhere, or
+    # Bazel refetches @local_config_tf (or fails) as commands alternate.
+    for command in ("build", "query", "fetch"):
+        for key, value in settings.items():
+            lines.append(f"{command} --repo_env={_quote(f'{key}={value}')}")
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.write("\n".join(lines) + "\n")

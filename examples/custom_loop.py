@@ -97,7 +97,7 @@ def load_data(name, seed):
             (x_train, y_train), (x_test, y_test) = loader.load_data()
         except Exception as error:  # urllib/ssl/OS errors: all mean "no download"
             sys.exit(f"error: could not download {name} through keras.datasets ({type(error).__name__}: {error}).\n"
-                     f"It needs internet access (or the file already in ~/.keras/datasets). "
+                     f"It needs internet access, or the file already in the Keras cache (~/.keras/datasets by default). "
                      f"The default --dataset digits works offline.")
         x_train, x_test = x_train / 255.0, x_test / 255.0
 
@@ -108,7 +108,8 @@ def load_data(name, seed):
 
 
 def make_strategy(args):
-    """MWMS under TF_CONFIG, else MirroredStrategy over several local devices, else the default.
+    """(strategy, description, worker index, is chief): MWMS under TF_CONFIG, else
+    MirroredStrategy over several local devices, else the default strategy.
 
     Must run before any other TensorFlow work: both the logical device split
     and MWMS configure the runtime, which is fixed once it starts.
@@ -121,15 +122,17 @@ def make_strategy(args):
         is_chief = resolver.task_type == "chief" or (
             resolver.task_type == "worker" and resolver.task_id == 0
             and "chief" not in resolver.cluster_spec().as_dict())
-        return strategy, resolver.task_id, is_chief
+        workers = len(resolver.cluster_spec().as_dict().get("worker", []))
+        return strategy, f"MultiWorkerMirroredStrategy over {workers} workers", resolver.task_id, is_chief
     if args.logical_cpus and args.logical_cpus > 1:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * args.logical_cpus)
-        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.logical_cpus)]), 0, True
+        devices = [f"/cpu:{i}" for i in range(args.logical_cpus)]
+        return tf.distribute.MirroredStrategy(devices), f"MirroredStrategy over {', '.join(devices)}", 0, True
     if len(tf.config.list_physical_devices("GPU")) > 1:
-        return tf.distribute.MirroredStrategy(), 0, True
-    return tf.distribute.get_strategy(), 0, True
+        return tf.distribute.MirroredStrategy(), "MirroredStrategy over the local GPUs", 0, True
+    return tf.distribute.get_strategy(), "no strategy (the default one)", 0, True
 
 
 def make_model(features, classes):
@@ -152,18 +155,10 @@ def make_optimizer(name, learning_rate):
 
 
 def skip_keras_all_reduce(optimizer):
-    """Stop a Keras optimizer from all-reducing the gradients it is given.
+    """The exchange already sums over replicas: Keras must not all-reduce again."""
+    import tf_topk.keras
 
-    Keras 3's TensorFlow optimizer sums gradients over replicas inside
-    `apply()` (there is no public switch, keras#19308). The exchange already
-    returns the sum, so a second all-reduce would both multiply it by the
-    number of replicas and send the dense gradients after all.
-    """
-    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
-        raise RuntimeError("this Keras version has no TFOptimizer._all_reduce_sum_gradients; "
-                           "check how its optimizer aggregates gradients before using this example")
-    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
-    return optimizer
+    return tf_topk.keras.disable_dense_all_reduce(optimizer)
 
 
 def replica_checksums(strategy, variables):
@@ -182,7 +177,7 @@ def main(argv=None):
     args = parse_args(argv)
     (x_train, y_train), (x_test, y_test) = load_data(args.dataset, args.seed)
 
-    strategy, worker, is_chief = make_strategy(args)
+    strategy, description, worker, is_chief = make_strategy(args)
     import keras
     import numpy as np
     import tensorflow as tf
@@ -205,7 +200,7 @@ def main(argv=None):
         exchange = tf_topk.SparseExchange(model.trainable_variables, density=args.density, method=args.method)
     variables = model.trainable_variables
 
-    say(f"{type(strategy).__name__}: {replicas} replica(s); {args.dataset}: {len(x_train)} train / "
+    say(f"{description}: {replicas} replica(s); {args.dataset}: {len(x_train)} train / "
         f"{len(x_test)} test examples; {args.optimizer} lr {args.learning_rate:g}")
     say(f"exchange: {len(exchange.sparse_positions)} variable(s) sparsified at density {args.density:g} "
         f"({args.method}), {len(exchange.dense_positions)} small one(s) all-reduced densely, "
@@ -242,17 +237,18 @@ def main(argv=None):
     def train_step(batch, poison):
         x, y = batch
         loss, correct, grads, all_finite, stats = strategy.run(replica_step, args=(x, y, poison))
-        # all_finite is the same on every replica. The condition must be taken
-        # here, in cross-replica context: a tf.cond inside strategy.run whose
-        # branch calls optimizer.apply (a merge_call) is not supported.
-        finite = strategy.experimental_local_results(all_finite)[0]
+
+        def first(value):  # a value every replica computed alike
+            return strategy.experimental_local_results(value)[0]
 
         def apply():
             strategy.run(lambda g: optimizer.apply(g, variables), args=(grads,))
             return tf.constant(True)
 
-        applied = tf.cond(finite, apply, lambda: tf.constant(False))
-        first = lambda value: strategy.experimental_local_results(value)[0]  # noqa: E731
+        # all_finite is the same on every replica. The branch is taken here, in
+        # cross-replica context: a tf.cond inside strategy.run whose branch
+        # calls optimizer.apply (a merge_call) is not supported.
+        applied = tf.cond(first(all_finite), apply, lambda: tf.constant(False))
         return (strategy.reduce(tf.distribute.ReduceOp.SUM, loss, axis=None),
                 strategy.reduce(tf.distribute.ReduceOp.SUM, correct, axis=None),
                 applied, first(stats["bytes_sent"]), first(stats["bytes_dense"]))
@@ -261,7 +257,7 @@ def main(argv=None):
     def predict(x):
         return tf.argmax(model(x, training=False), -1, output_type=tf.int32)
 
-    summary = {"strategy": type(strategy).__name__, "replicas": replicas, "worker": worker,
+    summary = {"strategy": description, "replicas": replicas, "worker": worker,
                "epochs": [], "skipped_steps": []}
     global_step = 0
     for epoch in range(args.epochs):

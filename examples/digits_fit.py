@@ -28,9 +28,11 @@ def parse_args(argv=None):
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian")
     parser.add_argument("--dense", action="store_true", help="train with the plain optimizer (dense all-reduce)")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
-    parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.05 for sgd, 0.002 for adam")
+    parser.add_argument("--momentum", type=float, default=0.0,
+                        help="SGD momentum (0 by default: plain momentum delays sparsified updates further, see README)")
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.3 for sgd, 0.002 for adam")
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
+    parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
     parser.add_argument("--dataset", choices=("digits", "mnist", "cifar10"), default="digits")
     parser.add_argument("--logical-cpus", type=int, default=0,
                         help="split the CPU into this many logical devices and use MirroredStrategy")
@@ -127,7 +129,7 @@ def main(argv=None):
             keras.layers.Dense(int(y_train.max()) + 1),
         ])
         if args.optimizer == "sgd":
-            inner = keras.optimizers.SGD(args.learning_rate or 0.05, momentum=0.9)
+            inner = keras.optimizers.SGD(args.learning_rate or 0.3, momentum=args.momentum)
         else:
             inner = keras.optimizers.Adam(args.learning_rate or 0.002)
         optimizer = inner if args.dense else tf_topk.TopKOptimizer(inner, density=args.density,

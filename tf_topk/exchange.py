@@ -14,25 +14,28 @@ loop, in a SavedModel's training function, or through the Keras optimizer
 wrapper (`tf_topk.TopKOptimizer`). Without a strategy (one replica) nothing is
 exchanged, but selection and error feedback still apply.
 
-Example (custom training loop):
+Example (custom training loop; examples/custom_loop.py is the complete version):
 
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
     with strategy.scope():
-        model = make_model()
-        optimizer = keras.optimizers.SGD(0.1)
+        model, optimizer = make_model(), keras.optimizers.SGD(0.1)
+        tf_topk.keras.disable_dense_all_reduce(optimizer)   # the exchange sums already
         exchange = tf_topk.SparseExchange(model.trainable_variables, density=0.01)
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_fn(y, model(x)), global_batch_size=GLOBAL_BATCH)
+        result = exchange(tape.gradient(loss, model.trainable_variables), step=optimizer.iterations)
+        return result.grads, result.all_finite
 
     @tf.function
     def train_step(x, y):
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x)) / strategy.num_replicas_in_sync
-            grads = tape.gradient(loss, model.trainable_variables)
-            result = exchange(grads)            # summed over replicas
-            tf.cond(result.all_finite,
-                    lambda: optimizer.apply(result.grads, model.trainable_variables) or tf.constant(True),
-                    lambda: tf.constant(False))
-        strategy.run(step, args=(x, y))
+        grads, all_finite = strategy.run(replica_step, args=(x, y))
+        # Branch in cross-replica context: optimizer.apply calls merge_call,
+        # which may not sit inside a tf.cond in a replica context.
+        def apply():
+            strategy.run(lambda g: optimizer.apply(g, model.trainable_variables), args=(grads,))
+            return tf.constant(True)
+        return tf.cond(strategy.experimental_local_results(all_finite)[0], apply, lambda: tf.constant(False))
 """
 
 import collections

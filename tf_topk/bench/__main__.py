@@ -6,6 +6,8 @@ import sys
 
 SUBCOMMANDS = {
     "select": "tf_topk.bench.select",
+    "e2e": "tf_topk.bench.e2e",
+    "convergence": "tf_topk.bench.convergence",
 }
 
 

@@ -29,9 +29,19 @@ from tf_topk.keras.mwms_fix import apply_mwms_fix
 from tf_topk.schedule import DensitySchedule
 
 
-def _no_all_reduce(grads_and_vars):
-    """The inner optimizer's dense all-reduce, disabled: its input is already summed."""
-    return grads_and_vars
+def disable_dense_all_reduce(optimizer):
+    """Stop a Keras 3 optimizer from all-reducing the gradients given to `apply`.
+
+    Keras's TensorFlow optimizer sums gradients over replicas inside `apply()`,
+    with no public switch (keras#19308). Gradients from `SparseExchange` are
+    already summed: a second all-reduce would multiply them by the number of
+    replicas and send the dense gradients after all. Returns the optimizer.
+    """
+    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise RuntimeError(f"{type(optimizer).__name__} has no _all_reduce_sum_gradients: this Keras version "
+                           "aggregates gradients differently; tf_topk supports Keras 3.x with TensorFlow")
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
+    return optimizer
 
 
 @keras.saving.register_keras_serializable(package="tf_topk")
@@ -76,8 +86,8 @@ class TopKOptimizer(keras.optimizers.Optimizer):
         self.min_size = min_size
         self.bucket_bytes = bucket_bytes
         self.error_feedback = bool(error_feedback)
-        # The exchange below replaces the inner optimizer's dense all-reduce.
-        self.inner_optimizer._all_reduce_sum_gradients = _no_all_reduce
+        # The exchange replaces the inner optimizer's dense all-reduce.
+        disable_dense_all_reduce(self.inner_optimizer)
         self._exchange_object = None
 
     # -- state ----------------------------------------------------------------

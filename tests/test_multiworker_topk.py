@@ -1,0 +1,82 @@
+"""TopKOptimizer with real worker processes: MultiWorkerMirroredStrategy over localhost.
+
+Each test starts workers through `tf_topk.launch.run_workers` (TF_CONFIG on free
+ports), which stops every process it started before returning.
+"""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from multiworker import REPO_ROOT, assert_ok, run_script, run_workers, worker_env
+
+pytestmark = pytest.mark.slow
+
+DIGITS_FIT = str(REPO_ROOT / "examples" / "digits_fit.py")
+EPOCHS = "10"
+
+
+def fit(workers, out, *args):
+    result = run_workers(workers, [sys.executable, DIGITS_FIT, "--epochs", EPOCHS, "--verbose", "0",
+                                   "--out", str(out), *args], env=worker_env(), timeout=240)
+    assert_ok(result)
+    reports = [json.loads((out / f"worker{i}.json").read_text()) for i in range(workers)]
+    weights = [np.load(out / f"worker{i}.npz") for i in range(workers)]
+    return reports, weights
+
+
+def assert_identical(weights):
+    for other in weights[1:]:
+        assert weights[0].files == other.files
+        for name in weights[0].files:
+            np.testing.assert_array_equal(weights[0][name], other[name])
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_topk_fit_matches_dense_accuracy_with_identical_weights(workers, tmp_path):
+    dense, dense_weights = fit(workers, tmp_path / "dense", "--dense")
+    topk, topk_weights = fit(workers, tmp_path / "topk", "--density", "0.01")
+    assert_identical(dense_weights)
+    assert_identical(topk_weights)
+    assert all(r["replicas"] == workers for r in topk)
+    assert topk[0]["test_accuracy"] >= dense[0]["test_accuracy"] - 0.01, (topk[0], dense[0])
+    assert topk[0]["test_accuracy"] > 0.9
+    assert topk[0]["bytes_per_step"] < dense[0]["bytes_per_step"] / 10
+    assert topk[0]["skipped_steps"] == 0
+
+
+def test_two_logical_cpus_in_one_process_match_two_workers(tmp_path):
+    workers, _ = fit(2, tmp_path / "workers", "--density", "0.01")
+    out = tmp_path / "mirrored"
+    env = worker_env()
+    env.pop("TF_CONFIG", None)
+    completed = subprocess.run([sys.executable, DIGITS_FIT, "--epochs", EPOCHS, "--verbose", "0", "--out", str(out),
+                                "--density", "0.01", "--logical-cpus", "2"],
+                               env=env, capture_output=True, text=True, timeout=240)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    mirrored = json.loads((out / "worker0.json").read_text())
+    assert mirrored["replicas"] == 2
+    assert mirrored["bytes_per_step"] == workers[0]["bytes_per_step"]
+    assert abs(mirrored["test_accuracy"] - workers[0]["test_accuracy"]) <= 0.015
+    assert abs(mirrored["loss"][-1] - workers[0]["loss"][-1]) <= 0.05
+
+
+def test_checkpoint_restore_in_new_processes_keeps_the_residual_sum(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    assert_ok(run_script("checkpoint_resume.py", "--phase", "save", "--ckpt", ckpt, "--out", out, timeout=240))
+    assert_ok(run_script("checkpoint_resume.py", "--phase", "resume", "--ckpt", ckpt, "--out", out, timeout=240))
+    saved = [np.load(out / f"save_worker{i}.npy") for i in range(2)]
+    restored = [np.load(out / f"resume_worker{i}.npy") for i in range(2)]
+    assert not np.array_equal(saved[0], saved[1])  # residuals are per replica
+    assert float(np.abs(saved[0]).sum()) > 0
+    # The sum over replicas is what is saved and restored: each replica gets half of it.
+    np.testing.assert_allclose(restored[0] + restored[1], saved[0] + saved[1], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(restored[0], restored[1])
+    before = json.loads((out / "save_worker0.json").read_text())
+    after = json.loads((out / "resume_worker0.json").read_text())
+    assert after["iterations_restored"] == before["iterations"] > 0
+    assert after["loss"][0] < before["loss"][0]  # training resumed, not restarted

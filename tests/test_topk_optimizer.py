@@ -1,0 +1,202 @@
+"""TopKOptimizer and SparseExchange in one process (one replica): algorithm, state, serialization."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import tf_topk
+from tf_topk.keras.callbacks import CompressionStats
+
+
+def digits(n=512):
+    x, y = load_digits(return_X_y=True)
+    return (x[:n] / 16.0).astype("float32"), y[:n].astype("int32")
+
+
+def mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+
+
+def compile_fit(model, optimizer, x, y, epochs=2, **fit_kwargs):
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model.fit(x, y, epochs=epochs, batch_size=64, verbose=0, shuffle=False, **fit_kwargs)
+
+
+def test_density_one_reproduces_the_inner_optimizer():
+    """All entries selected: no residual, the same updates as the plain optimizer."""
+    x, y = digits()
+    dense, sparse = mlp(), mlp()
+    compile_fit(dense, keras.optimizers.SGD(0.1), x, y)
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=1.0, method="exact", min_size=1)
+    compile_fit(sparse, opt, x, y)
+    for a, b in zip(dense.get_weights(), sparse.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert all(float(tf.reduce_max(tf.abs(r.value))) == 0.0 for r in opt.residuals)
+
+
+def test_embedding_gradients_indexed_slices_match_dense_at_density_one():
+    keras.utils.set_random_seed(1)
+    tokens = np.random.default_rng(0).integers(0, 500, size=(256, 8)).astype("int32")
+    labels = (tokens[:, 0] % 2).astype("int32")
+
+    def model():
+        keras.utils.set_random_seed(2)
+        return keras.Sequential([keras.Input((8,), dtype="int32"), keras.layers.Embedding(500, 16),
+                                 keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+
+    dense, sparse = model(), model()
+    compile_fit(dense, keras.optimizers.SGD(0.5), tokens, labels)
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.5), density=1.0, method="exact", min_size=1)
+    compile_fit(sparse, opt, tokens, labels)
+    for a, b in zip(dense.get_weights(), sparse.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_training_learns_and_error_feedback_keeps_the_rest():
+    x, y = digits()
+    model = mlp()
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.3), density=0.01)
+    history = compile_fit(model, opt, x, y, epochs=6, callbacks=[CompressionStats()])
+    assert history.history["loss"][-1] < 0.6 * history.history["loss"][0]
+    stats = opt.compression_stats()
+    assert stats["density"] == pytest.approx(math.ceil(0.01 * 64 * 128) / (64 * 128), rel=1e-6)
+    assert 0 < stats["contraction"] < stats["random_k_bound"] < 1
+    assert history.history["topk_residual_norm"][-1] > 0  # what was not sent is kept
+    assert len(opt.residuals) == 1  # the 64x128 kernel; the 128x10 kernel and biases are below min_size
+
+
+def test_non_finite_step_is_skipped_without_touching_residuals_or_weights():
+    model = mlp()
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.05, min_size=100)
+    x, y = digits(128)
+    compile_fit(model, opt, x, y, epochs=1)
+    weights = [w.numpy().copy() for w in model.trainable_variables]
+    residuals = [r.numpy().copy() for r in opt.residuals]
+    iterations = int(opt.iterations.numpy())
+    bad = [tf.fill(v.shape, np.nan) if i == 0 else tf.ones(v.shape) for i, v in enumerate(model.trainable_variables)]
+    tf.function(lambda: opt.apply(bad, model.trainable_variables))()
+    assert int(opt.skipped_steps.numpy()) == 1
+    assert int(opt.iterations.numpy()) == iterations
+    for before, variable in zip(weights, model.trainable_variables):
+        np.testing.assert_array_equal(before, variable.numpy())
+    for before, residual in zip(residuals, opt.residuals):
+        np.testing.assert_array_equal(before, residual.numpy())
+    good = [tf.ones(v.shape) for v in model.trainable_variables]
+    tf.function(lambda: opt.apply(good, model.trainable_variables))()
+    assert int(opt.iterations.numpy()) == iterations + 1
+    assert np.all(np.isfinite(opt.residuals[0].numpy()))
+
+
+def test_variables_without_gradient_are_skipped():
+    inputs = keras.Input((64,))
+    used = keras.layers.Dense(10, name="used")(inputs)
+    unused = keras.layers.Dense(5000, name="unused")  # built but not on the path to the loss
+    unused.build((None, 64))
+    model = keras.Model(inputs, used)
+    variables = model.trainable_variables + unused.trainable_variables
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.1, min_size=10)
+    x, y = digits(64)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x))
+    grads = tape.gradient(loss, variables)
+    assert grads[-1] is None
+    before = unused.kernel.numpy().copy()
+    opt.apply(grads, variables)
+    np.testing.assert_array_equal(before, unused.kernel.numpy())
+    assert int(opt.iterations.numpy()) == 1
+
+
+def test_density_schedule_changes_k_with_the_step():
+    x, y = digits(128)
+    model = mlp()
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=[(0, 0.5), (2, 0.01)])
+    densities = []
+    callback = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: densities.append(opt.compression_stats()["density"]))
+    compile_fit(model, opt, x, y, epochs=2, callbacks=[callback])
+    assert densities[0] == pytest.approx(0.5) and densities[1] == pytest.approx(0.5)
+    assert densities[2] == pytest.approx(math.ceil(0.01 * 8192) / 8192)
+
+
+def test_config_round_trip_and_keras_file_restores_residuals(tmp_path):
+    x, y = digits(256)
+    model = mlp()
+    opt = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density=[(0, 0.1), (10, 0.01)],
+                                method="exact", min_size=500, bucket_bytes=4096)
+    compile_fit(model, opt, x, y)
+    config = opt.get_config()
+    clone = tf_topk.TopKOptimizer.from_config(config)
+    assert isinstance(clone.inner_optimizer, keras.optimizers.Adam)
+    assert clone.get_config() == config
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded.optimizer, tf_topk.TopKOptimizer)
+    assert loaded.optimizer.density == [(0, 0.1), (10, 0.01)] and loaded.optimizer.method == "exact"
+    np.testing.assert_array_equal(loaded.optimizer.residuals[0].numpy(), opt.residuals[0].numpy())
+    assert float(np.abs(opt.residuals[0].numpy()).sum()) > 0
+    loaded.fit(x, y, epochs=1, batch_size=64, verbose=0)  # and training continues
+
+
+def test_checkpoint_restores_residuals(tmp_path):
+    x, y = digits(256)
+    model = mlp()
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01)
+    compile_fit(model, opt, x, y, epochs=1)
+    saved = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    other = mlp(seed=5)
+    other_opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01)
+    other_opt.build(other.trainable_variables)
+    tf.train.Checkpoint(model=other, optimizer=other_opt).restore(saved).assert_existing_objects_matched()
+    np.testing.assert_array_equal(other_opt.residuals[0].numpy(), opt.residuals[0].numpy())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(density=0.0), r"density must be in \(0, 1\], got 0.0"),
+    (dict(density=1.5), r"density must be in \(0, 1\], got 1.5"),
+    (dict(density="high"), r"density must be a float"),
+    (dict(density=[(5, 0.1)]), r"must start at step 0"),
+    (dict(density=[(0, 0.1), (0, 0.01)]), r"steps must increase"),
+    (dict(method="median"), r"method must be 'gaussian' or 'exact', got 'median'"),
+    (dict(min_size=0), r"min_size must be an int >= 1, got 0"),
+])
+def test_bad_arguments_raise_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+
+
+def test_inner_must_be_a_keras_optimizer():
+    with pytest.raises(ValueError, match=r"inner_optimizer must be a keras.optimizers.Optimizer.*'sgd'"):
+        tf_topk.TopKOptimizer("sgd")
+    with pytest.raises(ValueError, match=r"already a TopKOptimizer"):
+        tf_topk.TopKOptimizer(tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)))
+
+
+def test_mixed_precision_single_process_trains():
+    x, y = digits(256)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = mlp()
+        opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.3), density=0.05)
+        history = compile_fit(model, opt, x, y, epochs=4)
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        assert model.optimizer.inner_optimizer is opt
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        assert opt.residuals[0].dtype == "float32"
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def test_exchange_outside_a_replica_context_is_an_error():
+    strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
+    with strategy.scope():
+        variable = tf.Variable(tf.zeros([10]))
+        exchange = tf_topk.SparseExchange([variable], density=0.5, min_size=1)
+        with pytest.raises(RuntimeError, match="replica context"):
+            exchange([tf.ones([10])])

@@ -1,0 +1,345 @@
+"""Convergence benchmark: `python -m tf_topk.bench convergence --json --plot out.png`.
+
+Does sparsification cost accuracy, and what does error feedback buy? On
+scikit-learn's digits (or `--dataset synthetic`), trains the same MLP with
+the same inner optimizer, budget (epochs) and seeds:
+
+    dense       the inner optimizer alone
+    topk_ef     tf_topk.TopKOptimizer(inner, density=d)                    (the library)
+    topk_noef   tf_topk.TopKOptimizer(inner, density=d, error_feedback=False)
+    randk_ef    k entries chosen uniformly at random, same error feedback  (a BENCHMARK BASELINE,
+                defined here, not part of the library: see RandomKExchange)
+
+at each density, over `--seeds` seeds, and reports the final test accuracy
+(mean and std over seeds) per configuration; `--plot` draws the test-accuracy
+and training-loss curves (mean over seeds) to a PNG.
+
+One process, one replica: selection and error feedback act exactly as they
+do per replica in multi-worker training; only the exchange is missing, which
+does not change the arithmetic of one replica's update. Variables smaller than
+the library's `min_size` (biases, the 2,560-entry output layer) stay dense,
+as in the library.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+METHODS = ("topk_ef", "topk_noef", "randk_ef")
+LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_noef": "top-k, no EF", "randk_ef": "random-k + EF"}
+
+
+# -- the random-k baseline (benchmark only) ------------------------------------------------
+
+class _RandomSelection:
+    """Stands in for `tf_topk.ops` while a RandomKExchange traces: approx_topk picks k random entries."""
+
+    def __init__(self, ops):
+        self._ops = ops
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+    @staticmethod
+    def approx_topk(x, k, method=None):
+        import tensorflow as tf
+
+        indices = tf.random.shuffle(tf.range(tf.size(x, out_type=tf.int32)))[:k]
+        return tf.gather(x, indices), indices
+
+
+def _random_k_classes():
+    """RandomKExchange and RandomKOptimizer, built on first use (they subclass TF/Keras classes)."""
+    from tf_topk import exchange as exchange_module
+    from tf_topk.keras.optimizer import TopKOptimizer
+
+    class RandomKExchange(exchange_module.SparseExchange):
+        """BENCHMARK BASELINE: SparseExchange with k entries chosen uniformly at random, not the top k.
+
+        Everything else is the library's code: the same error-feedback memory
+        (the unsent entries stay in the residual), the same k per variable, the
+        same packing and statistics. While its bucket exchange traces, the
+        module's `ops` is swapped for a selection that returns k random entries
+        (without replacement) of the accumulated gradient, then restored.
+        """
+
+        def _exchange_bucket(self, *args, **kwargs):
+            original = exchange_module.ops
+            exchange_module.ops = _RandomSelection(original)
+            try:
+                return super()._exchange_bucket(*args, **kwargs)
+            finally:
+                exchange_module.ops = original
+
+    class RandomKOptimizer(TopKOptimizer):
+        """BENCHMARK BASELINE: TopKOptimizer whose exchange is a RandomKExchange (same residuals)."""
+
+        def build(self, var_list):
+            super().build(var_list)
+            topk = self._exchange_object
+            object.__setattr__(self, "_exchange_object", RandomKExchange(
+                var_list, density=self.density, method=self.method, min_size=self.min_size,
+                bucket_bytes=self.bucket_bytes, error_feedback=self.error_feedback,
+                residuals=topk.residuals if self.error_feedback else None))
+
+    return RandomKExchange, RandomKOptimizer
+
+
+# -- data and model ---------------------------------------------------------------------------
+
+def load_data(name, seed=0):
+    """(x_train, y_train, x_test, y_test), float32 / int32; a fixed split."""
+    from sklearn.model_selection import train_test_split
+
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = x / 16.0
+    elif name == "synthetic":
+        from sklearn.datasets import make_classification
+
+        x, y = make_classification(n_samples=4000, n_features=64, n_informative=32, n_redundant=8,
+                                   n_classes=10, n_clusters_per_class=2, class_sep=1.5, random_state=seed)
+        x = (x - x.mean(0)) / x.std(0)
+    else:
+        raise ValueError(f"dataset must be digits or synthetic, got {name!r}")
+    x_train, x_test, y_train, y_test = train_test_split(x.astype(np.float32), y.astype(np.int32),
+                                                        test_size=0.2, stratify=y, random_state=seed)
+    return x_train, y_train, x_test, y_test
+
+
+def make_model(keras, inputs, hidden, classes):
+    layers = [keras.Input((inputs,))]
+    layers += [keras.layers.Dense(h, activation="relu") for h in hidden]
+    layers.append(keras.layers.Dense(classes))
+    return keras.Sequential(layers)
+
+
+def make_optimizer(keras, method, density, args):
+    import tf_topk
+
+    inner = keras.optimizers.SGD(args.learning_rate, momentum=args.momentum)
+    if method == "dense":
+        return inner
+    if method == "topk_ef":
+        return tf_topk.TopKOptimizer(inner, density=density, method=args.method)
+    if method == "topk_noef":
+        return tf_topk.TopKOptimizer(inner, density=density, method=args.method, error_feedback=False)
+    if method == "randk_ef":
+        _, random_k_optimizer = _random_k_classes()
+        return random_k_optimizer(inner, density=density, method=args.method)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def train_one(method, density, seed, data, args):
+    """Train one configuration and seed; returns per-epoch curves and the optimizer's last stats."""
+    import keras
+
+    x_train, y_train, x_test, y_test = data
+    keras.utils.set_random_seed(seed)
+    model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1)
+    optimizer = make_optimizer(keras, method, density, args)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
+                        validation_data=(x_test, y_test), shuffle=True, verbose=0)
+    stats = optimizer.compression_stats() if method != "dense" else {}
+    params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+    return {
+        "loss": [float(v) for v in history.history["loss"]],
+        "accuracy": [float(v) for v in history.history["accuracy"]],
+        "val_loss": [float(v) for v in history.history["val_loss"]],
+        "val_accuracy": [float(v) for v in history.history["val_accuracy"]],
+        "stats": stats,
+        "params": params,
+    }
+
+
+def _mean_curve(runs, key):
+    return [round(statistics.fmean(values), 5) for values in zip(*(r[key] for r in runs))]
+
+
+def _std(values):
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def run(args, log=None):
+    data = load_data(args.dataset)
+    configs = [("dense", None)] + [(m, d) for d in args.densities for m in args.methods]
+    rows, params = [], None
+    started = time.monotonic()
+    for method, density in configs:
+        runs = []
+        t0 = time.monotonic()
+        for seed in range(args.seeds):
+            runs.append(train_one(method, density, seed, data, args))
+        params = runs[0]["params"]
+        final = [r["val_accuracy"][-1] for r in runs]
+        row = {
+            "method": method,
+            "label": LABELS[method],
+            "density": density,
+            "test_accuracy_mean": round(statistics.fmean(final), 5),
+            "test_accuracy_std": round(_std(final), 5),
+            "test_accuracy_per_seed": [round(a, 5) for a in final],
+            "train_loss_mean": round(statistics.fmean(r["loss"][-1] for r in runs), 5),
+            "curves": {"train_loss": _mean_curve(runs, "loss"), "test_accuracy": _mean_curve(runs, "val_accuracy")},
+            "seconds": round(time.monotonic() - t0, 1),
+        }
+        if method != "dense":
+            # Last step's contraction ||acc - sent||^2 / ||acc||^2 (mean over seeds) and 1 - k/d.
+            row["contraction"] = round(statistics.fmean(r["stats"].get("contraction", float("nan")) for r in runs), 5)
+            row["random_k_bound"] = round(statistics.fmean(r["stats"].get("random_k_bound", float("nan"))
+                                                           for r in runs), 5)
+            row["sent_density"] = round(statistics.fmean(r["stats"].get("density", float("nan")) for r in runs), 6)
+        rows.append(row)
+        if log:
+            log(f"{row['label']:<14} density {density if density is not None else '-':<6} test accuracy "
+                f"{row['test_accuracy_mean']:.4f} +- {row['test_accuracy_std']:.4f} ({row['seconds']:.0f} s)")
+    dense = rows[0]
+    for row in rows:
+        row["vs_dense_points"] = round(100 * (row["test_accuracy_mean"] - dense["test_accuracy_mean"]), 2)
+    import keras
+    import tensorflow as tf
+
+    return {
+        "benchmark": "convergence",
+        "dataset": args.dataset,
+        "train_samples": int(len(data[0])), "test_samples": int(len(data[2])),
+        "model": f"MLP {data[0].shape[1]}-" + "-".join(map(str, args.hidden)) + "-10", "params": params,
+        "optimizer": f"SGD(learning_rate={args.learning_rate}, momentum={args.momentum})",
+        "selection_method": args.method,
+        "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
+        "densities": args.densities, "methods": ["dense", *args.methods],
+        "configs": rows,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"nproc": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+                    "tf_version": tf.__version__, "keras_version": keras.__version__},
+        "command": "python -m tf_topk.bench convergence " + " ".join(args.argv),
+        "duration_s": round(time.monotonic() - started, 1),
+    }
+
+
+def format_table(result):
+    densities = result["densities"]
+    rows = result["configs"]
+    dense = rows[0]
+    head = f"{'method':<16}" + "".join(f"{'d=' + format(d, 'g'):>18}" for d in densities)
+    lines = [f"convergence: {result['dataset']}, {result['model']} ({result['params']:,} parameters), "
+             f"{result['optimizer']}, {result['epochs']} epochs, batch {result['batch_size']}, "
+             f"{result['seeds']} seeds; final test accuracy, mean +- std",
+             head, "-" * len(head),
+             f"{'dense':<16}" + f"{dense['test_accuracy_mean']:.4f} +- {dense['test_accuracy_std']:.4f}".rjust(18)
+             * len(densities)]
+    for method in result["methods"][1:]:
+        cells = []
+        for d in densities:
+            row = next(r for r in rows if r["method"] == method and r["density"] == d)
+            cells.append(f"{row['test_accuracy_mean']:.4f} +- {row['test_accuracy_std']:.4f}".rjust(18))
+        lines.append(f"{LABELS[method]:<16}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def plot(result, path):
+    """Test accuracy (top) and training loss (bottom) per epoch, one column per density."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    densities = result["densities"]
+    rows = result["configs"]
+    dense = rows[0]
+    fig, axes = plt.subplots(2, len(densities), figsize=(4.2 * len(densities), 7), squeeze=False, sharey="row")
+    colors = {"dense": "black", "topk_ef": "tab:blue", "topk_noef": "tab:red", "randk_ef": "tab:green"}
+    epochs = np.arange(1, result["epochs"] + 1)
+    for column, d in enumerate(densities):
+        for row_index, key in enumerate(("test_accuracy", "train_loss")):
+            ax = axes[row_index][column]
+            for row in [dense] + [r for r in rows if r["density"] == d]:
+                ax.plot(epochs, row["curves"][key], color=colors[row["method"]],
+                        linestyle="--" if row["method"] == "dense" else "-",
+                        label=f"{row['label']} ({row['test_accuracy_mean']:.3f})" if key == "test_accuracy"
+                        else row["label"])
+            ax.grid(alpha=0.3)
+            if key == "train_loss":
+                ax.set_yscale("log")
+                ax.set_xlabel("epoch")
+            else:
+                ax.set_title(f"density {d:g}")
+                ax.legend(fontsize=8, loc="lower right")
+            if column == 0:
+                ax.set_ylabel("test accuracy" if key == "test_accuracy" else "training loss")
+    fig.suptitle(f"{result['dataset']}: {result['model']}, {result['optimizer']}, "
+                 f"mean of {result['seeds']} seeds (final test accuracy in the legend)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _floats(text):
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    if not values or any(not 0 < v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"densities must be in (0, 1], got {text!r}")
+    return values
+
+
+def _methods(text):
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in values if v not in METHODS]
+    if not values or bad:
+        raise argparse.ArgumentTypeError(f"methods must be among {','.join(METHODS)}, got {text!r}")
+    return values
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m tf_topk.bench convergence", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", choices=("digits", "synthetic"), default="digits")
+    parser.add_argument("--densities", type=_floats, default=[0.1, 0.01, 0.001])
+    parser.add_argument("--methods", type=_methods, default=list(METHODS),
+                        help=f"comma-separated, among {','.join(METHODS)} (dense always runs)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--hidden", type=lambda t: [int(v) for v in t.split(",")], default=[256, 256],
+                        help="hidden layer widths (default 256,256)")
+    parser.add_argument("--learning-rate", type=float, default=0.05)
+    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian",
+                        help="tf_topk selection method")
+    parser.add_argument("--plot", metavar="PNG", help="draw the curves to this file (needs matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object only")
+    args = parser.parse_args(argv)
+    args.argv = argv
+    if args.seeds < 1 or args.epochs < 1 or args.batch_size < 1:
+        parser.error("--seeds, --epochs and --batch-size must be >= 1")
+
+    def log(message):
+        print(f"[convergence] {message}", file=sys.stderr, flush=True)
+
+    result = run(args, log=log)
+    if args.plot:
+        plot(result, args.plot)
+        result["plot"] = args.plot
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""One worker of the end-to-end benchmark (`python -m tf_topk.bench e2e`); not run by hand.
+
+Started by `tf_topk.bench.e2e` through `tf_topk.launch.run_workers`, with
+TF_CONFIG set, inside its network namespace (`ip netns exec <ns> python -m
+tf_topk.bench.e2e_worker ...`) or on localhost (`--no-netns`). It trains one
+configuration under MultiWorkerMirroredStrategy with a custom loop:
+
+    dense         the plain optimizer: Keras's dense all-reduce of every gradient
+    topk:<d>      tf_topk.TopKOptimizer(same optimizer, density=d)
+
+on generated data (a fixed random teacher labels Gaussian inputs; each worker
+has its own batches), `--warmup` steps, then `--steps` timed steps, each
+ended by reading the local loss (so each step's time includes its exchange).
+Before and after the timed steps it reads the interface counters
+(/sys/class/net/<iface>/statistics/{tx,rx}_bytes: inside the namespace, the
+worker's own veth) and the TCP payload counters of its own sockets (`ss`),
+then writes `result_<index>.json` to `--out` and exits.
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+_START = time.monotonic()
+PR_SET_PDEATHSIG = 1
+
+MODELS = ("wide", "cnn", "tiny")
+
+
+def die_with_parent(parent_pid):
+    """SIGKILL this worker when the benchmark process dies (also by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if parent_pid and os.getppid() != parent_pid:  # the parent died before prctl
+        os._exit(3)
+
+
+def read_iface(iface):
+    """(tx_bytes, rx_bytes) of `iface` in this namespace, or None."""
+    if not iface:
+        return None
+    base = f"/sys/class/net/{iface}/statistics"
+    try:
+        with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
+            return int(tx.read()), int(rx.read())
+    except OSError:
+        return None
+
+
+def read_tcp(pid):
+    """(bytes_sent, bytes_received) summed over this process's TCP sockets (`ss -tinp`), or None."""
+    try:
+        out = subprocess.run(["ss", "-tinpH"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    sent = received = 0
+    mine = False
+    for line in out.splitlines():
+        if not line[:1].isspace():
+            mine = f"pid={pid}," in line
+        elif mine:
+            m = re.search(r"\bbytes_sent:(\d+)", line)
+            sent += int(m.group(1)) if m else 0
+            m = re.search(r"\bbytes_received:(\d+)", line)
+            received += int(m.group(1)) if m else 0
+    return sent, received
+
+
+def build_model(keras, name, seed):
+    """(model, input shape, classes). `wide`: 12.6M parameters, little compute."""
+    keras.utils.set_random_seed(seed)
+    layers = keras.layers
+    if name == "wide":
+        shape = (1024,)
+        model = keras.Sequential([keras.Input(shape), layers.Dense(4096, activation="relu"),
+                                  layers.Dense(2048, activation="relu"), layers.Dense(10)])
+    elif name == "cnn":
+        shape = (28, 28, 1)
+        model = keras.Sequential([keras.Input(shape), layers.Conv2D(16, 3, activation="relu"),
+                                  layers.MaxPooling2D(), layers.Conv2D(32, 3, activation="relu"),
+                                  layers.MaxPooling2D(), layers.Flatten(), layers.Dense(256, activation="relu"),
+                                  layers.Dense(10)])
+    elif name == "tiny":
+        shape = (256,)
+        model = keras.Sequential([keras.Input(shape), layers.Dense(256, activation="relu"), layers.Dense(10)])
+    else:
+        raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+    return model, shape, 10
+
+
+def make_batches(np, shape, classes, batch_size, seed, index, count=4):
+    """`count` batches for this worker; labels from a random linear teacher shared by all workers."""
+    dim = int(np.prod(shape))
+    teacher = np.random.default_rng(seed).standard_normal((dim, classes)).astype(np.float32)
+    rng = np.random.default_rng(seed + 1000 + index)
+    batches = []
+    for _ in range(count):
+        x = rng.standard_normal((batch_size, dim)).astype(np.float32)
+        y = np.argmax(x @ teacher, axis=1).astype(np.int32)
+        batches.append((x.reshape((batch_size,) + tuple(shape)), y))
+    return batches
+
+
+def configure_heartbeat(timeout_s):
+    """Configure TF's coordination service as MWMS would, with a longer heartbeat timeout.
+
+    MWMS's default (10 s) is too short on a slow link: a heartbeat RPC shares
+    its gRPC connection with the bulk collective data (at start, the chief
+    broadcasts every variable's initial value: 150 MB for `wide` with
+    TopKOptimizer, 12 s at 100 Mbit/s), waits behind it and times out, and the
+    whole cluster aborts ("tasks are unhealthy (stopped sending heartbeats)").
+    A dead worker is still noticed here: the launcher stops all workers when
+    one exits. Uses TF's private context API, as MWMS itself does; MWMS keeps
+    a coordination service that is already configured.
+    """
+    from tensorflow.python.distribute import collective_all_reduce_strategy as mwms_module
+    from tensorflow.python.eager import context
+
+    coordination_config_pb2 = mwms_module.coordination_config_pb2  # where MWMS finds it in this TF
+
+    workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
+    if workers < 2 or context.context().coordination_service is not None:
+        return
+    context.context().configure_coordination_service(
+        service_type="standalone", service_leader="/job:worker/replica:0/task:0",
+        heartbeat_timeout_in_ms=int(timeout_s * 1000),
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=workers)])
+
+
+def parse_config(text):
+    """'dense' -> (None); 'topk:0.001' -> 0.001."""
+    if text == "dense":
+        return None
+    m = re.match(r"^topk:(\d*\.?\d+(?:e-?\d+)?)$", text)
+    if not m or not 0 < float(m.group(1)) <= 1:
+        raise ValueError(f"config must be 'dense' or 'topk:<density in (0, 1]>', got {text!r}")
+    return float(m.group(1))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tf_topk.bench.e2e_worker")
+    p.add_argument("--config", required=True, help="dense or topk:<density>")
+    p.add_argument("--model", choices=MODELS, default="wide")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=16, help="per worker")
+    p.add_argument("--learning-rate", type=float, default=0.01)
+    p.add_argument("--method", default="gaussian")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="TF intra-op threads")
+    p.add_argument("--iface", default="", help="interface whose counters are read ('' for none)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--heartbeat-timeout", type=float, default=600.0,
+                   help="seconds; TF's coordination service heartbeat (MWMS default: 10)")
+    p.add_argument("--parent-pid", type=int, default=0)
+    p.add_argument("--run-id", default="", help="tag of the benchmark run (for finding leftovers)")
+    args = p.parse_args(argv)
+    die_with_parent(args.parent_pid)
+    density = parse_config(args.config)
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+
+    import numpy as np
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+    tf.config.threading.set_inter_op_parallelism_threads(max(2, args.threads))
+    configure_heartbeat(args.heartbeat_timeout)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TF work
+    import keras
+
+    import tf_topk
+
+    replicas = strategy.num_replicas_in_sync
+    with strategy.scope():
+        model, shape, classes = build_model(keras, args.model, args.seed)
+        inner = keras.optimizers.SGD(args.learning_rate, momentum=0.9)
+        optimizer = inner if density is None else tf_topk.TopKOptimizer(inner, density=density, method=args.method)
+    params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+    global_batch = args.batch_size * replicas
+    batches = [(tf.constant(x), tf.constant(y)) for x, y in
+               make_batches(np, shape, classes, args.batch_size, args.seed, index)]
+
+    @tf.function
+    def train_step(x, y):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)) / global_batch
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+            return loss * replicas  # this worker's mean loss
+
+        per_replica = strategy.run(replica_step, args=(x, y))
+        return strategy.experimental_local_results(per_replica)[0]
+
+    @tf.function
+    def barrier():
+        return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
+
+    losses, times = [], []
+    for step in range(args.warmup):
+        losses.append(float(train_step(*batches[step % len(batches)]).numpy()))
+    warm_s = time.monotonic() - _START
+    iface_before, tcp_before = read_iface(args.iface), read_tcp(os.getpid())
+    for step in range(args.warmup, args.warmup + args.steps):
+        start = time.perf_counter()
+        losses.append(float(train_step(*batches[step % len(batches)]).numpy()))
+        times.append(time.perf_counter() - start)
+    iface_after, tcp_after = read_iface(args.iface), read_tcp(os.getpid())
+    barrier().numpy()
+
+    def delta(before, after):
+        if before is None or after is None:
+            return None
+        return {"sent": after[0] - before[0], "received": after[1] - before[1]}
+
+    stats = optimizer.compression_stats() if density is not None else {}
+    dense_bytes = 2.0 * (replicas - 1) / replicas * 4.0 * params if replicas > 1 else 0.0
+    result = {
+        "index": index, "config": args.config, "model": args.model, "params": params,
+        "replicas": replicas, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+        "step_times": times, "losses": losses, "ready_s": warm_s,
+        "iface": args.iface or None, "wire": delta(iface_before, iface_after),
+        "tcp": delta(tcp_before, tcp_after),
+        "estimated_bytes_sent": stats.get("bytes_sent", dense_bytes),
+        "estimated_bytes_dense": dense_bytes,
+        "compression_stats": stats,
+        "tf_version": tf.__version__, "keras_version": keras.__version__,
+    }
+    path = os.path.join(args.out, f"result_{index}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    print(f"worker {index}: {args.config} median step {sorted(times)[len(times) // 2]:.3f}s", flush=True)
+    sys.stderr.flush()
+    # Let peers finish pulling this worker's last buffers, then skip TF's
+    # teardown (a gRPC server shutting down under MWMS can hang).
+    time.sleep(1.5)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
