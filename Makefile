@@ -33,7 +33,7 @@ test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m tf_topk.bench select --n 25000000 --density 0.001
+	$(PY) examples/demo.py --workers 2 --density 0.01 --epochs 10
 
 bench: setup
 	$(PY) -m tf_topk.bench select --n 25000000 --density 0.001 --json

@@ -95,8 +95,8 @@ def main(argv=None):
     kernels = ", ".join(f"{d}:{t}" for d, t in got["kernels"])
     same = ""
     if args.reference:
-        compared = "op and wrappers" + (" and kernels" if kernels_compared else
-                                         " (kernels not compared: one was built without CUDA)")
+        compared = ("op, wrappers and kernels" if kernels_compared else
+                    "op and wrappers (kernels not compared: one was built without CUDA)")
         same = f"; same {compared} as {args.reference}"
     print(f"[check_library] {args.library}: op {OP_NAME}, kernels {kernels}{same}", flush=True)
     return 0
