@@ -46,3 +46,6 @@ gpu-check:
 
 clean:
 	rm -rf build *.egg-info $(LIBRARY) tf_topk/_tf_topk_ops.json benchmarks/gpu/*.so
+
+# The Bazel build of the same op library: make bazel-test (see bazel/README.md).
+include bazel/bazel.mk

@@ -90,7 +90,7 @@ def machine_info():
     except OSError:
         pass
     return {"nproc": len(os.sched_getaffinity(0)), "mem_gib": mem_gib, "kernel": platform.release(),
-            "python": platform.python_version()}
+            "python": platform.python_version(), "loadavg_start": [round(v, 2) for v in os.getloadavg()]}
 
 
 def configurations(densities):
@@ -253,6 +253,7 @@ def run(args):
                 signal.signal(s, handler)
     result["configs"] = add_ratios(rows)
     result["duration_s"] = round(time.monotonic() - started, 1)
+    result["machine"]["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
     return result
 
 
