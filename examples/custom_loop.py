@@ -18,22 +18,10 @@ import os
 import sys
 import time
 
+from common import density, positive_int  # examples/common.py: run as scripts, the folder is on sys.path
+
 DATASETS = ("digits", "mnist", "cifar10")
 DEFAULT_LEARNING_RATES = {"sgd": 0.05, "adam": 1e-3}
-
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def density(text):
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 def parse_args(argv=None):

@@ -20,22 +20,10 @@ import argparse
 import json
 import sys
 
+from common import density, positive_int  # examples/common.py: run as scripts, the folder is on sys.path
+
 OP_NAME = "ImportTfTopk>ApproxTopK"  # the registered name of tf_topk's selection op
 FEATURES, CLASSES, HIDDEN = 64, 10, 256
-
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
-
-
-def density(text):
-    value = float(text)
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
 
 
 def parse_args(argv=None):

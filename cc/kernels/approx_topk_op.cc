@@ -168,6 +168,20 @@ inline uint32_t PrefilterKey(Sample* sample, int64_t n, int64_t k) {
   return static_cast<uint32_t>(BinOf(key)) << kBinShift;
 }
 
+// Appends the indices of the qualifying entries of input[begin, end) whose
+// key is >= low_key: the scalar part of the prefilter.
+template <typename T>
+inline void CollectAtOrAbove(const T* input, int64_t begin, int64_t end,
+                             uint32_t low_key,
+                             std::vector<int32_t>* candidates) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t key = KeyOf(input[i]);
+    if (key >= low_key && key < kInfBits) {
+      candidates->push_back(static_cast<int32_t>(i));
+    }
+  }
+}
+
 // Pass 2 (prefilter) over input[begin, end): appends the indices of entries
 // whose key is >= low_key and that qualify. Returns false when more than
 // `limit` were found (the fit was too far off for a prefilter to pay).
@@ -182,20 +196,10 @@ bool PrefilterBlock(const T* input, int64_t begin, int64_t end,
       any |= KeyOf(input[i + lane]) >= low_key;
     }
     if (!any) continue;
-    for (int lane = 0; lane < kLanes; ++lane) {
-      const uint32_t key = KeyOf(input[i + lane]);
-      if (key >= low_key && key < kInfBits) {
-        candidates->push_back(static_cast<int32_t>(i + lane));
-      }
-    }
+    CollectAtOrAbove(input, i, i + kLanes, low_key, candidates);
     if (static_cast<int64_t>(candidates->size()) > limit) return false;
   }
-  for (; i < end; ++i) {
-    const uint32_t key = KeyOf(input[i]);
-    if (key >= low_key && key < kInfBits) {
-      candidates->push_back(static_cast<int32_t>(i));
-    }
-  }
+  CollectAtOrAbove(input, i, end, low_key, candidates);
   return static_cast<int64_t>(candidates->size()) <= limit;
 }
 
@@ -220,21 +224,12 @@ bool PrefilterBlock<float>(const float* input, int64_t begin, int64_t end,
       if (!(hit[group][0] | hit[group][1] | hit[group][2] | hit[group][3])) {
         continue;
       }
-      for (int j = 4 * group; j < 4 * group + 4; ++j) {
-        const uint32_t key = KeyOf(input[i + j]);
-        if (key >= low_key && key < kInfBits) {
-          candidates->push_back(static_cast<int32_t>(i + j));
-        }
-      }
+      CollectAtOrAbove(input, i + 4 * group, i + 4 * group + 4, low_key,
+                       candidates);
     }
     if (static_cast<int64_t>(candidates->size()) > limit) return false;
   }
-  for (; i < end; ++i) {
-    const uint32_t key = KeyOf(input[i]);
-    if (key >= low_key && key < kInfBits) {
-      candidates->push_back(static_cast<int32_t>(i));
-    }
-  }
+  CollectAtOrAbove(input, i, end, low_key, candidates);
   return static_cast<int64_t>(candidates->size()) <= limit;
 }
 

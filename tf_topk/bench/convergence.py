@@ -130,12 +130,13 @@ def make_optimizer(keras, method, density, args):
     if method == "dense":
         return inner
     if method == "topk_ef":
-        return tf_topk.TopKOptimizer(inner, density=density, method=args.method)
+        return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size)
     if method == "topk_noef":
-        return tf_topk.TopKOptimizer(inner, density=density, method=args.method, error_feedback=False)
+        return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size,
+                                     error_feedback=False)
     if method == "randk_ef":
         _, random_k_optimizer = _random_k_classes()
-        return random_k_optimizer(inner, density=density, method=args.method)
+        return random_k_optimizer(inner, density=density, method=args.method, min_size=args.min_size)
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -216,7 +217,7 @@ def run(args, log=None):
         "train_samples": int(len(data[0])), "test_samples": int(len(data[2])),
         "model": f"MLP {data[0].shape[1]}-" + "-".join(map(str, args.hidden)) + "-10", "params": params,
         "optimizer": f"SGD(learning_rate={args.learning_rate}, momentum={args.momentum})",
-        "selection_method": args.method,
+        "selection_method": args.method, "min_size": args.min_size,
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
         "densities": args.densities, "methods": ["dense", *args.methods],
         "configs": rows,
@@ -320,10 +321,16 @@ def main(argv=None):
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian",
                         help="tf_topk selection method")
+    parser.add_argument("--min-size", type=int, default=None,
+                        help="variables with fewer entries stay dense (default: the library's, 4096)")
     parser.add_argument("--plot", metavar="PNG", help="draw the curves to this file (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.min_size is None:
+        from tf_topk.exchange import DEFAULT_MIN_SIZE
+
+        args.min_size = DEFAULT_MIN_SIZE
     if args.seeds < 1 or args.epochs < 1 or args.batch_size < 1:
         parser.error("--seeds, --epochs and --batch-size must be >= 1")
 
