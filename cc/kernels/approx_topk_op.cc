@@ -2,15 +2,16 @@
 //
 // CPU algorithm, on the intra-op thread pool, in blocks of the input:
 //   sample     a deterministic strided sample of 32768 entries gives a
-//              prefilter threshold (a bin's lower edge) above which
+//              prefilter threshold above which
 //              comfortably more than k entries should lie, whatever the
 //              distribution, and the moments for the gaussian method's fit;
 //   prefilter  one pass collects the indices of entries at or above it
 //              (vectorized compare, rare writes);
 //   plan       the 2048-bin histogram of the candidates finds the threshold
-//              bin exactly as a histogram of the whole input would (whole
-//              bins are in or out); the gaussian method places its threshold
-//              inside that bin with the normal fit (topk_common.h);
+//              bin as a histogram of the whole input would (every bin above
+//              the prefilter threshold is complete); the gaussian method
+//              places its threshold inside that bin with the normal fit
+//              (topk_common.h);
 //   select     candidates above the threshold bin fill their slots in index
 //              order; the threshold bin's entries fill the rest: exact takes
 //              the largest by true magnitude (nth_element), gaussian first
@@ -147,8 +148,8 @@ Sample SampleOf(const T* input, int64_t n) {
   return sample;
 }
 
-// The prefilter threshold: a bin's lower edge below which, judging from the
-// sample, comfortably more than k of the n entries lie above. The margin
+// The prefilter threshold (magnitude bits): judging from the sample,
+// comfortably more than k of the n entries lie at or above it. The margin
 // (twice the expected count plus three standard deviations of the sample
 // count) makes "fewer than k candidates" rare; then the fallback runs.
 // Returns 0 when no useful prefilter exists.
@@ -164,20 +165,27 @@ inline uint32_t PrefilterKey(Sample* sample, int64_t n, int64_t k) {
   std::nth_element(m.begin(), m.begin() + rank, m.end(),
                    [](double a, double b) { return a > b; });
   const uint32_t key = MagnitudeBits(static_cast<float>(m[rank]));
-  if (!Qualifies(key)) return 0u;
-  return static_cast<uint32_t>(BinOf(key)) << kBinShift;
+  return Qualifies(key) ? key : 0u;
 }
 
-// Appends the indices of the qualifying entries of input[begin, end) whose
-// key is >= low_key: the scalar part of the prefilter.
+// An entry that passed the prefilter. It carries its value so that later
+// steps never go back to the input (each such read would be a cache miss).
+template <typename T>
+struct Candidate {
+  int32_t index;
+  T value;
+};
+
+// Appends the qualifying entries of input[begin, end) whose key is >=
+// low_key: the scalar part of the prefilter.
 template <typename T>
 inline void CollectAtOrAbove(const T* input, int64_t begin, int64_t end,
                              uint32_t low_key,
-                             std::vector<int32_t>* candidates) {
+                             std::vector<Candidate<T>>* candidates) {
   for (int64_t i = begin; i < end; ++i) {
     const uint32_t key = KeyOf(input[i]);
     if (key >= low_key && key < kInfBits) {
-      candidates->push_back(static_cast<int32_t>(i));
+      candidates->push_back(Candidate<T>{static_cast<int32_t>(i), input[i]});
     }
   }
 }
@@ -188,7 +196,7 @@ inline void CollectAtOrAbove(const T* input, int64_t begin, int64_t end,
 template <typename T>
 bool PrefilterBlock(const T* input, int64_t begin, int64_t end,
                     uint32_t low_key, int64_t limit,
-                    std::vector<int32_t>* candidates) {
+                    std::vector<Candidate<T>>* candidates) {
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     int any = 0;
@@ -206,7 +214,7 @@ bool PrefilterBlock(const T* input, int64_t begin, int64_t end,
 template <>
 bool PrefilterBlock<float>(const float* input, int64_t begin, int64_t end,
                            uint32_t low_key, int64_t limit,
-                           std::vector<int32_t>* candidates) {
+                           std::vector<Candidate<float>>* candidates) {
   // Keys below 2^31 compare correctly as signed integers.
   const int32_t low = static_cast<int32_t>(low_key);
   int64_t i = begin;
@@ -301,9 +309,15 @@ void FinishTies(Method method, const Plan& plan, const T* input,
 
 // The threshold plan from a histogram; the gaussian method then places its
 // threshold inside the threshold bin with the normal fit.
+// `floor_key`: the histogram counts only entries at or above it (the
+// prefilter threshold; 0 for a histogram of the whole input). When it lies
+// inside the threshold bin, that bin is counted in part; since at least
+// `need` of its entries are counted, the bin's `need` largest are among them,
+// and the normal fit sees the bin as starting at floor_key.
 inline Plan MakePlan(const uint32_t* hist, int64_t k, Method method,
-                     const Moments& moments) {
+                     const Moments& moments, uint32_t floor_key) {
   Plan plan = PlanFromHistogram(hist, k);
+  if (plan.bin >= 0 && plan.tie_low < floor_key) plan.tie_low = floor_key;
   if (method == Method::kGaussian) {
     plan.tie_low = GaussianTieLow(plan, hist, moments);
   }
@@ -345,7 +359,7 @@ void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
   }
   // One pass: collect the entries at or above the prefilter threshold.
   if (low_key != 0u) {
-    std::vector<std::vector<int32_t>> block_candidates(num_blocks);
+    std::vector<std::vector<Candidate<T>>> block_candidates(num_blocks);
     std::vector<char> block_ok(num_blocks, 0);
     for_each_block([&](int64_t b) {
       const int64_t begin = block_begin(b), end = block_begin(b + 1);
@@ -357,21 +371,21 @@ void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
                     [](char ok) { return ok != 0; })) {
       std::vector<uint32_t> hist(kNumBins, 0u);
       for (const auto& candidates : block_candidates) {
-        for (int32_t index : candidates) ++hist[BinOf(KeyOf(input[index]))];
+        for (const Candidate<T>& c : candidates) ++hist[BinOf(KeyOf(c.value))];
       }
-      const Plan plan = MakePlan(hist.data(), k, method, sample.moments);
+      const Plan plan = MakePlan(hist.data(), k, method, sample.moments, low_key);
       if (plan.bin >= 0) {  // at least k candidates: the whole answer is here
         int64_t slot = 0;
         std::vector<TieCandidate> ties;
         for (const auto& candidates : block_candidates) {
-          for (int32_t index : candidates) {
-            const uint32_t key = KeyOf(input[index]);
+          for (const Candidate<T>& c : candidates) {
+            const uint32_t key = KeyOf(c.value);
             if (key > plan.sure_above) {
-              values[slot] = input[index];
-              indices[slot] = index;
+              values[slot] = c.value;
+              indices[slot] = c.index;
               ++slot;
             } else if (key >= BinLow(plan)) {
-              ties.push_back(TieCandidate{MagnitudeOf(input[index]), index});
+              ties.push_back(TieCandidate{MagnitudeOf(c.value), c.index});
             }
           }
         }
@@ -401,7 +415,7 @@ void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
     moments.sum_squares += block_moments[b].sum_squares;
     moments.count += block_moments[b].count;
   }
-  const Plan plan = MakePlan(hist.data(), k, method, moments);
+  const Plan plan = MakePlan(hist.data(), k, method, moments, 0u);
   std::vector<int64_t> offsets(num_blocks + 1, 0);
   for (int64_t b = 0; b < num_blocks; ++b) {
     int64_t sure = 0;
