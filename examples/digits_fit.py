@@ -36,6 +36,8 @@ def parse_args(argv=None):
     parser.add_argument("--dataset", choices=("digits", "mnist", "cifar10"), default="digits")
     parser.add_argument("--logical-cpus", type=int, default=0,
                         help="split the CPU into this many logical devices and use MirroredStrategy")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="mixed_float16 policy (Keras wraps the optimizer in LossScaleOptimizer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for worker<i>.json and worker<i>.npz")
     parser.add_argument("--verbose", type=int, default=2, help="Keras verbosity on the chief (0, 1, 2)")
@@ -119,6 +121,8 @@ def main(argv=None):
     chief = worker == 0
     replicas = strategy.num_replicas_in_sync
 
+    if args.mixed_precision:
+        keras.mixed_precision.set_global_policy("mixed_float16")
     x_train, y_train, x_test, y_test = load_data(args.dataset, args.seed)
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
@@ -126,7 +130,7 @@ def main(argv=None):
             keras.Input((x_train.shape[1],)),
             keras.layers.Dense(256, activation="relu"),
             keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(int(y_train.max()) + 1),
+            keras.layers.Dense(int(y_train.max()) + 1, dtype="float32"),  # float32 logits
         ])
         if args.optimizer == "sgd":
             inner = keras.optimizers.SGD(args.learning_rate or 0.3, momentum=args.momentum)
@@ -149,7 +153,7 @@ def main(argv=None):
 
     params = model.count_params()
     dense_bytes = 2.0 * (replicas - 1) / replicas * 4 * params if replicas > 1 else 0.0
-    stats = {} if args.dense else optimizer.compression_stats()
+    stats = {} if args.dense else optimizer.compression_stats()  # TopKOptimizer, also inside LSO
     bytes_per_step = dense_bytes if args.dense else stats["bytes_sent"]
     step_time = statistics.median(timer.times[len(timer.times) // 5:]) if timer.times else float("nan")
     result = {

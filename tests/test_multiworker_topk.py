@@ -80,3 +80,15 @@ def test_checkpoint_restore_in_new_processes_keeps_the_residual_sum(tmp_path):
     after = json.loads((out / "resume_worker0.json").read_text())
     assert after["iterations_restored"] == before["iterations"] > 0
     assert after["loss"][0] < before["loss"][0]  # training resumed, not restarted
+
+
+def test_mixed_float16_two_workers_train_with_identical_weights(tmp_path):
+    """compile wraps TopKOptimizer in LossScaleOptimizer; the exchange runs inside its branch."""
+    out = tmp_path / "mixed"
+    result = run_workers(2, [sys.executable, DIGITS_FIT, "--epochs", "3", "--verbose", "0", "--out", str(out),
+                             "--density", "0.01", "--mixed-precision"], env=worker_env(), timeout=240)
+    assert_ok(result)
+    report = json.loads((out / "worker0.json").read_text())
+    assert report["test_accuracy"] > 0.85
+    assert report["compression"]["bytes_sent"] < report["dense_bytes_per_step"] / 10
+    assert_identical([np.load(out / f"worker{i}.npz") for i in range(2)])
