@@ -106,7 +106,7 @@ def load_data(name, seed=0):
     elif name == "synthetic":
         from sklearn.datasets import make_classification
 
-        x, y = make_classification(n_samples=4000, n_features=64, n_informative=32, n_redundant=8,
+        x, y = make_classification(n_samples=2500, n_features=64, n_informative=32, n_redundant=8,
                                    n_classes=10, n_clusters_per_class=2, class_sep=1.5, random_state=seed)
         x = (x - x.mean(0)) / x.std(0)
     else:

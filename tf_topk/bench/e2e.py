@@ -41,9 +41,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 WORKER_MODULE = "tf_topk.bench.e2e_worker"
 BASE_PORT = 23456  # inside a namespace every port is free
 
-# Runs under `ip netns`-less Python before the worker: rewrites TF_CONFIG's hosts
-# to the namespace addresses and execs `ip netns exec <ns> <worker command>`.
-# Standard library only, so TensorFlow is imported once, inside the namespace.
+# What run_workers starts for each worker in namespace mode, still in the root
+# namespace: rewrites TF_CONFIG's hosts to the namespace addresses and execs
+# `ip netns exec <ns> <worker command>` (same pid, so the launcher's process
+# group handling still applies). Standard library only: TensorFlow is imported
+# once, inside the namespace.
 _ENTER_NAMESPACE = r"""
 import json, os, sys
 base, hosts, command = sys.argv[1], sys.argv[2].split(","), sys.argv[3:]
@@ -230,7 +232,7 @@ def run(args):
             cluster = netns_lib.NetnsCluster(args.workers, netns_lib.parse_rate(args.bandwidth),
                                              netns_lib.parse_latency(args.latency), run_id=run_id)
             _log(f"setting up namespaces {cluster.base}-*")
-            cluster.__enter__()
+            cluster.setup()  # a partial set-up is removed by the teardown below
             result["qdiscs"] = cluster.describe()
         for config in configurations(args.densities):
             row, first = run_config(config, args, cluster, run_id, out_dir, stream)

@@ -1,0 +1,85 @@
+"""`python -m tf_topk.bench convergence`: the random-k baseline, and a tiny run with a plot."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def test_random_k_exchange_sends_k_random_entries_with_error_feedback():
+    import tensorflow as tf
+
+    from tf_topk import exchange as exchange_module
+    from tf_topk.bench.convergence import _random_k_classes
+
+    random_k_exchange, _ = _random_k_classes()
+    n, density = 10_000, 0.01
+    k = int(n * density)
+    variable = tf.Variable(tf.zeros([n]))
+    ex = random_k_exchange([variable], density=density, min_size=16)
+    ops_before = exchange_module.ops
+    # Increasing magnitudes: the top k are the last k entries; random picks are spread out.
+    grad = tf.range(1, n + 1, dtype=tf.float32)
+    tf.random.set_seed(0)
+    result = ex([grad])
+    assert exchange_module.ops is ops_before  # the swap is undone
+    sent = result.grads[0].numpy()
+    chosen = np.flatnonzero(sent)
+    assert len(chosen) == k
+    np.testing.assert_array_equal(sent[chosen], grad.numpy()[chosen])
+    assert chosen.min() < n - k  # not the top k
+    assert 0.25 * n < np.median(chosen) < 0.75 * n
+    # Error feedback: what was not sent stays in the residual, and comes back next step.
+    residual = ex.residuals[0].numpy()
+    np.testing.assert_array_equal(residual + sent, grad.numpy())
+    second = ex([tf.zeros([n])]).grads[0].numpy()
+    chosen2 = np.flatnonzero(second)
+    # Random picks may hit an entry already sent (now 0 in the residual): at most k non-zeros.
+    assert k - 10 <= len(chosen2) <= k and not set(chosen2) & set(chosen)
+    np.testing.assert_array_equal(second[chosen2], grad.numpy()[chosen2])
+    assert abs(float(result.stats["contraction"]) - (1 - k / n)) < 0.05
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dataset", ["digits", "synthetic"])
+def test_tiny_run_json_and_plot(tmp_path, dataset):
+    png = tmp_path / "curves.png"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    argv = [sys.executable, "-m", "tf_topk.bench", "convergence", "--dataset", dataset, "--seeds", "2",
+            "--epochs", "2", "--densities", "0.1,0.01", "--hidden", "128", "--json", "--plot", str(png)]
+    proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["dataset"] == dataset and result["seeds"] == 2 and result["epochs"] == 2
+    rows = result["configs"]
+    assert [(r["method"], r["density"]) for r in rows] == [
+        ("dense", None),
+        ("topk_ef", 0.1), ("topk_noef", 0.1), ("randk_ef", 0.1),
+        ("topk_ef", 0.01), ("topk_noef", 0.01), ("randk_ef", 0.01),
+    ]
+    for row in rows:
+        assert 0.0 <= row["test_accuracy_mean"] <= 1.0 and row["test_accuracy_std"] >= 0.0
+        assert len(row["test_accuracy_per_seed"]) == 2
+        assert len(row["curves"]["train_loss"]) == len(row["curves"]["test_accuracy"]) == 2
+    assert rows[0]["test_accuracy_mean"] > 0.5  # dense learns something in 2 epochs
+    for row in rows[1:]:
+        # Top-k keeps at least the energy random-k keeps in expectation.
+        assert 0.0 <= row["contraction"] <= 1.0
+        if row["method"].startswith("topk"):
+            assert row["contraction"] <= row["random_k_bound"] + 1e-6
+        else:
+            assert abs(row["contraction"] - row["random_k_bound"]) < 0.1
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000
