@@ -9,7 +9,8 @@ at least 1. A schedule is one of:
     Deep Gradient Compression: [(0, 0.25), (200, 0.0625), (400, 0.015),
     (600, 0.004), (800, 0.001)]);
   - a callable taking the step (an int64 tensor) and returning the density as
-    a float tensor, like a Keras learning-rate schedule.
+    a float tensor, like a Keras learning-rate schedule (return float64 for
+    k to match the constant case exactly).
 With a list or a callable, k is a tensor that changes with the step.
 """
 
@@ -78,7 +79,12 @@ class DensitySchedule:
         return None
 
     def density(self, step=None):
-        """The density at `step` (a float, or a float32 tensor when scheduled)."""
+        """The density at `step`: a float, or a float64 tensor when scheduled.
+
+        float64, as Python's floats: k = ceil(density * size) must come out the
+        same for a scheduled 0.001 as for a constant one (in float32, 0.001 is
+        slightly above it, and ceil(0.001 * 10000) would give 11).
+        """
         if self.constant is not None:
             return self.constant
         if step is None:
@@ -86,17 +92,17 @@ class DensitySchedule:
         step = tf.cast(step, tf.int64)
         if self.steps is not None:
             boundaries = tf.constant([s for s, _ in self.steps], tf.int64)
-            values = tf.constant([d for _, d in self.steps], tf.float32)
+            values = tf.constant([d for _, d in self.steps], tf.float64)
             position = tf.searchsorted(boundaries, tf.reshape(step, [1]), side="right")[0] - 1
             return tf.gather(values, tf.maximum(position, 0))
-        return tf.cast(self.callable(step), tf.float32)
+        return tf.cast(self.callable(step), tf.float64)
 
     def k(self, size, step=None):
         """k for a variable of `size` entries: a Python int when constant."""
         density = self.density(step)
         if isinstance(density, float):
             return max(1, min(size, math.ceil(density * size)))
-        k = tf.cast(tf.math.ceil(tf.cast(density, tf.float64) * size), tf.int32)
+        k = tf.cast(tf.math.ceil(density * size), tf.int32)
         return tf.clip_by_value(k, 1, size)
 
     def get_config(self):

@@ -2,8 +2,15 @@
 
 import keras
 import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
 
 from tf_topk.keras.optimizer import TopKOptimizer
+
+# What TensorBoard's scalar summary writes, without needing the tensorboard
+# package: tf.summary.scalar raises TBNotInstalledError without it, and
+# TensorFlow 2.21 does not depend on it.
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(
+    plugin_name="scalars"))
 
 
 def find_topk_optimizer(optimizer):
@@ -22,7 +29,8 @@ class CompressionStats(keras.callbacks.Callback):
     worker per step and what the dense all-reduce would send, residual norm,
     and the contraction ||acc - topk(acc)||^2 / ||acc||^2 beside the random-k
     bound 1 - k/d (top-k is typically far below it). With `log_dir`, also
-    writes them as TensorBoard scalars every `update_freq` steps.
+    writes them as TensorBoard scalars (tags `topk/...`) every `update_freq`
+    steps; the tensorboard package is needed only to view them.
 
     Example:
       >>> model.fit(x, y, callbacks=[tf_topk.keras.CompressionStats(log_dir="logs")])
@@ -54,7 +62,7 @@ class CompressionStats(keras.callbacks.Callback):
         if self._writer is not None and self._step % self.update_freq == 0:
             with self._writer.as_default(step=self._step):
                 for name, value in self._optimizer().compression_stats().items():
-                    tf.summary.scalar(f"topk/{name}", value)
+                    tf.summary.write(f"topk/{name}", tf.cast(value, tf.float32), metadata=_SCALAR_METADATA)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:

@@ -1,0 +1,63 @@
+"""CompressionStats: compression statistics in the epoch logs and as TensorBoard scalars."""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from sklearn.datasets import load_digits
+
+import tf_topk
+from tf_topk.exchange import STAT_NAMES
+from tf_topk.keras import CompressionStats
+
+STEPS_PER_EPOCH, EPOCHS = 4, 3
+
+
+def fit(optimizer, callback):
+    x, y = load_digits(return_X_y=True)
+    x, y = (x[:256] / 16.0).astype("float32"), y[:256].astype("int32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model.fit(x, y, batch_size=256 // STEPS_PER_EPOCH, epochs=EPOCHS, verbose=0, callbacks=[callback])
+
+
+def read_scalars(log_dir):
+    """{tag: [(step, value), ...]} from every event file under log_dir."""
+    scalars = {}
+    for path in tf.io.gfile.glob(f"{log_dir}/events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append((event.step, float(tf.make_ndarray(value.tensor))))
+    return scalars
+
+
+def test_logs_and_tensorboard_scalars(tmp_path):
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01)
+    history = fit(optimizer, CompressionStats(log_dir=str(tmp_path), update_freq=2))
+    k, d = math.ceil(0.01 * 64 * 128), 64 * 128
+    for name in STAT_NAMES:
+        assert len(history.history[f"topk_{name}"]) == EPOCHS
+    assert history.history["topk_density"][-1] == pytest.approx(k / d)
+    assert history.history["topk_random_k_bound"][-1] == pytest.approx(1 - k / d)
+    assert history.history["topk_bytes_sent"][-1] == 0.0  # one replica sends nothing
+    scalars = read_scalars(tmp_path)
+    assert sorted(scalars) == sorted(f"topk/{name}" for name in STAT_NAMES)
+    steps = [step for step, _ in scalars["topk/density"]]
+    assert steps == list(range(2, STEPS_PER_EPOCH * EPOCHS + 1, 2))  # every update_freq steps
+    densities = np.array([value for _, value in scalars["topk/density"]])
+    np.testing.assert_allclose(densities, k / d, rtol=1e-6)
+    assert all(0 < value < 1 - k / d for _, value in scalars["topk/contraction"])
+
+
+def test_needs_a_topk_optimizer():
+    with pytest.raises(ValueError, match="CompressionStats needs a model compiled with tf_topk.TopKOptimizer"):
+        fit(keras.optimizers.SGD(0.1), CompressionStats())
+
+
+@pytest.mark.parametrize("update_freq", [0, -3, 1.5, True, "epoch"])
+def test_bad_update_freq_is_named(update_freq):
+    with pytest.raises(ValueError, match=rf"update_freq must be an int >= 1, got {update_freq!r}"):
+        CompressionStats(update_freq=update_freq)

@@ -1,0 +1,78 @@
+"""DensitySchedule: k per variable for constant, stepped and callable densities."""
+
+import math
+
+import pytest
+import tensorflow as tf
+
+from tf_topk.schedule import DensitySchedule
+
+
+def test_constant_density_gives_a_python_int_k():
+    schedule = DensitySchedule(0.001)
+    assert schedule.is_constant and schedule.max_density() == 0.001
+    assert schedule.k(25_000_000) == 25_000
+    assert schedule.k(1500) == 2  # ceil(1.5)
+    assert schedule.k(10) == 1  # at least one entry
+    assert isinstance(schedule.k(10), int)
+    assert DensitySchedule(1.0).k(7) == 7
+
+
+@pytest.mark.parametrize("step, density", [(0, 0.25), (99, 0.25), (100, 0.0625), (250, 0.0625), (300, 0.001),
+                                           (10**9, 0.001)])
+def test_stepped_density_takes_the_last_pair_at_or_before_the_step(step, density):
+    schedule = DensitySchedule([(0, 0.25), (100, 0.0625), (300, 0.001)])
+    assert not schedule.is_constant and schedule.max_density() == 0.25
+    assert float(schedule.density(tf.constant(step, tf.int64))) == pytest.approx(density)
+    k = schedule.k(10_000, step=tf.constant(step))
+    assert k.dtype == tf.int32 and int(k) == math.ceil(density * 10_000)
+
+
+def test_stepped_density_inside_tf_function_follows_a_variable_step():
+    schedule = DensitySchedule([(0, 0.5), (2, 0.01)])
+    step = tf.Variable(0, dtype=tf.int64)
+    k_of = tf.function(lambda: schedule.k(1000, step=step))
+    ks = []
+    for _ in range(4):
+        ks.append(int(k_of()))
+        step.assign_add(1)
+    assert ks == [500, 500, 10, 10]
+
+
+def test_callable_density_is_called_with_the_step_and_k_is_clipped():
+    schedule = DensitySchedule(lambda step: 1.0 / tf.cast(step + 1, tf.float32))
+    assert schedule.max_density() is None
+    assert [int(schedule.k(100, step=tf.constant(s))) for s in (0, 1, 3, 999)] == [100, 50, 25, 1]
+    with pytest.raises(ValueError, match="callable density schedule cannot be serialized"):
+        schedule.get_config()
+
+
+def test_scheduled_density_needs_the_step():
+    with pytest.raises(ValueError, match="needs the current step"):
+        DensitySchedule([(0, 0.1)]).k(100)
+
+
+def test_config_round_trip():
+    assert DensitySchedule(0.01).get_config() == 0.01
+    pairs = [(0, 0.25), (500, 0.001)]
+    config = DensitySchedule(pairs).get_config()
+    assert config == [[0, 0.25], [500, 0.001]]
+    assert DensitySchedule(config).steps == pairs
+
+
+@pytest.mark.parametrize("density, message", [
+    (0.0, r"density must be in \(0, 1\], got 0.0"),
+    (-0.5, r"density must be in \(0, 1\], got -0.5"),
+    (float("nan"), r"density must be in \(0, 1\], got nan"),
+    (True, r"density must be a float in \(0, 1\], a list"),
+    (None, r"density must be a float in \(0, 1\], a list"),
+    ([], r"at least one \(step, density\) pair"),
+    ([(0, 0.1, 3)], r"must be \(step, density\) pairs, got \(0, 0.1, 3\)"),
+    ([(0.5, 0.1)], r"steps must be ints >= 0, got step 0.5"),
+    ([(0, 0.1), (10, 2.0)], r"density at step 10 must be in \(0, 1\], got 2.0"),
+    ([(1, 0.1)], r"must start at step 0, got first step 1"),
+    ([(0, 0.1), (20, 0.01), (10, 0.001)], r"steps must increase, got \[0, 20, 10\]"),
+])
+def test_bad_densities_name_the_value(density, message):
+    with pytest.raises(ValueError, match=message):
+        DensitySchedule(density)
