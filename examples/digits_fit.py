@@ -140,7 +140,8 @@ def main(argv=None):
                                                                    method=args.method)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+                      metrics=["accuracy"],
+                      jit_compile=False)  # the selection op has no XLA kernel (Keras's default on a GPU)
     timer = StepTimer()
     callbacks = [timer] if args.dense else [timer, tf_topk.keras.CompressionStats()]
     if chief:

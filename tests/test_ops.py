@@ -235,10 +235,17 @@ def test_saved_model_runs_in_a_fresh_process_after_import(tmp_path):
     assert "ImportTfTopk>ApproxTopK" in without_import.stderr
 
 
-def test_jit_compile_is_not_supported():
+def test_jit_compile_is_refused_with_the_fix():
     @tf.function(jit_compile=True)
     def select(x):
         return tf_topk.approx_topk(x, 1)
 
-    with pytest.raises((tf.errors.InvalidArgumentError, tf.errors.UnimplementedError, tf.errors.NotFoundError)):
-        select(tf.constant([1.0, 2.0]))
+    @tf.function(jit_compile=True)
+    def outer(x):  # a plain tf.function called from an XLA one is compiled too
+        return tf.function(lambda y: tf_topk.approx_topk(y, 1))(x)
+
+    for function in (select, outer):
+        with pytest.raises(tf.errors.UnimplementedError, match=r"no XLA kernel.*jit_compile=False"):
+            function(tf.constant([1.0, 2.0]))
+    values, _ = tf.function(lambda x: tf_topk.approx_topk(x, 1), jit_compile=False)(tf.constant([1.0, -2.0]))
+    assert values.numpy().tolist() == [-2.0]

@@ -193,6 +193,15 @@ def test_mixed_precision_single_process_trains():
         keras.mixed_precision.set_global_policy("float32")
 
 
+def test_keras_model_compiled_with_xla_is_refused_with_the_fix():
+    x, y = digits(64)
+    model = mlp()
+    model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.1),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+    with pytest.raises(tf.errors.UnimplementedError, match=r"model.compile\(..., jit_compile=False\)"):
+        model.fit(x, y, epochs=1, verbose=0)
+
+
 def test_exchange_outside_a_replica_context_is_an_error():
     strategy = tf.distribute.OneDeviceStrategy("/cpu:0")
     with strategy.scope():

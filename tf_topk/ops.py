@@ -9,6 +9,7 @@ import json
 import os
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
 
 OP_NAME = "ImportTfTopk>ApproxTopK"
 METHODS = ("gaussian", "exact")
@@ -64,6 +65,21 @@ def _invalid(message):
     return tf.errors.InvalidArgumentError(None, None, message)
 
 
+def _refuse_xla():
+    """Fail at trace time, with the fix, rather than with XLA's error at run time.
+
+    Keras's `model.compile` resolves `jit_compile="auto"` to XLA on a machine
+    with a GPU when no distribution strategy is used, so a one-GPU TopKOptimizer
+    run lands here unless the model is compiled with `jit_compile=False`.
+    """
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise tf.errors.UnimplementedError(
+            None, None,
+            "tf_topk.approx_topk has no XLA kernel, so it cannot run in a function compiled with "
+            "jit_compile=True. Use tf.function(jit_compile=False); with Keras, model.compile(..., "
+            "jit_compile=False) (Keras picks XLA by default on a GPU machine without a distribution strategy)")
+
+
 def approx_topk(x, k, method="gaussian", name=None):
     """Select the ~k entries of largest magnitude of `x` (treated as flat).
 
@@ -89,8 +105,9 @@ def approx_topk(x, k, method="gaussian", name=None):
     Only finite, non-zero entries are selected: NaN, +Inf, -Inf and zeros never
     are. When fewer than k entries qualify, the spare slots hold value 0 at
     index 0, which adds nothing when scattered back with a scatter-add.
-    The op has no gradient and no XLA kernel: it is not supported inside
-    `tf.function(jit_compile=True)`.
+    The op has no gradient and no XLA kernel: inside
+    `tf.function(jit_compile=True)` (or a Keras model compiled with XLA) it
+    raises UnimplementedError when traced.
 
     Example:
       >>> x = tf.constant([[0.1, -3.0], [2.0, 0.5]])
@@ -119,4 +136,5 @@ def approx_topk(x, k, method="gaussian", name=None):
             if size is not None and k > size:
                 raise _invalid(f"k must be <= the number of entries of x ({size}), got k = {k}")
         k = tf.cast(k, tf.int32) if tf.is_tensor(k) else tf.constant(k, tf.int32)
+        _refuse_xla()
         return _approx_topk_raw(x, k, method=method)

@@ -149,7 +149,7 @@ def train_one(method, density, seed, data, args):
     model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1)
     optimizer = make_optimizer(keras, method, density, args)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
     history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
                         validation_data=(x_test, y_test), shuffle=True, verbose=0)
     stats = optimizer.compression_stats() if method != "dense" else {}

@@ -18,7 +18,9 @@ Differences from the inner optimizer alone:
   (exchanged) gradient, not on each replica's local gradient;
 - a step where any replica has a non-finite gradient is skipped on every
   replica: no update, iterations not advanced, residuals unchanged (counted in
-  `skipped_steps`).
+  `skipped_steps`);
+- no XLA: compile the model with `jit_compile=False` where Keras would pick
+  XLA (a GPU machine without a distribution strategy).
 """
 
 import keras
