@@ -28,11 +28,12 @@ def fit(workers, out, *args):
     return reports, weights
 
 
-def assert_identical(weights):
-    for other in weights[1:]:
-        assert weights[0].files == other.files
-        for name in weights[0].files:
-            np.testing.assert_array_equal(weights[0][name], other[name])
+def assert_identical(archives):
+    """The same arrays, bitwise, in every worker's .npz."""
+    for other in archives[1:]:
+        assert archives[0].files == other.files
+        for name in archives[0].files:
+            np.testing.assert_array_equal(archives[0][name], other[name])
 
 
 @pytest.mark.parametrize("workers", [2, 3])
@@ -92,3 +93,15 @@ def test_mixed_float16_two_workers_train_with_identical_weights(tmp_path):
     assert report["test_accuracy"] > 0.85
     assert report["compression"]["bytes_sent"] < report["dense_bytes_per_step"] / 10
     assert_identical([np.load(out / f"worker{i}.npz") for i in range(2)])
+
+
+def test_mixed_float16_overflow_on_one_worker_is_skipped_by_all(tmp_path):
+    """Only worker 0 overflows at step 0: without a global finite check worker 1 waits forever."""
+    result = run_script("loss_scale_overflow.py", tmp_path, timeout=150)
+    assert_ok(result)
+    reports = [np.load(tmp_path / f"worker{i}.npz") for i in range(2)]
+    for report in reports:
+        assert int(report["iterations"]) == 5  # 6 steps, step 0 skipped
+        assert float(report["scale"]) == float(report["initial_scale"]) / 2
+        assert int(report["skipped_by_topk"]) == 0  # LossScaleOptimizer skipped it before the exchange
+    assert_identical(reports)

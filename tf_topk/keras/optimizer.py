@@ -27,6 +27,7 @@ import keras
 import tensorflow as tf
 
 from tf_topk.exchange import DEFAULT_MIN_SIZE, STAT_NAMES, SparseExchange
+from tf_topk.keras.loss_scale_fix import apply_loss_scale_fix
 from tf_topk.keras.mwms_fix import apply_mwms_fix
 from tf_topk.schedule import DensitySchedule
 
@@ -82,6 +83,7 @@ class TopKOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
         super().__init__(learning_rate=0.0, name=name or "topk_optimizer", **kwargs)
         apply_mwms_fix()  # keras#20585: model.fit under MultiWorkerMirroredStrategy
+        apply_loss_scale_fix()  # mixed precision: all replicas agree on skipping a step
         self.inner_optimizer = inner_optimizer
         self.density = density
         self.method = method
