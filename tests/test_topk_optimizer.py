@@ -171,6 +171,16 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
         tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), **kwargs)
 
 
+@pytest.mark.parametrize("argument", [dict(clipnorm=1.0), dict(weight_decay=0.01), dict(use_ema=True),
+                                      dict(gradient_accumulation_steps=4)])
+def test_arguments_of_the_inner_optimizer_are_refused_not_ignored(argument):
+    (name, value), = argument.items()
+    with pytest.raises(ValueError, match=rf"does not take `{name}` \(got {value!r}\): set it on the inner optimizer"):
+        tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), **argument)
+    with pytest.raises(ValueError, match=r"unexpected arguments: momentum"):
+        tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), momentum=0.9)
+
+
 def test_inner_must_be_a_keras_optimizer():
     with pytest.raises(ValueError, match=r"inner_optimizer must be a keras.optimizers.Optimizer.*'sgd'"):
         tf_topk.TopKOptimizer("sgd")

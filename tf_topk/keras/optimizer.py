@@ -47,6 +47,27 @@ def disable_dense_all_reduce(optimizer):
     return optimizer
 
 
+# Arguments of keras.optimizers.Optimizer that act in its own `apply`, which the
+# wrapper replaces: they belong on the inner optimizer. get_config writes them
+# with these defaults, so the defaults are accepted (as LossScaleOptimizer does).
+_INNER_ONLY_DEFAULTS = {
+    "weight_decay": None, "clipnorm": None, "global_clipnorm": None, "clipvalue": None, "use_ema": False,
+    "ema_momentum": 0.99, "ema_overwrite_frequency": None, "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
+
+
+def _check_inner_only_arguments(kwargs):
+    """Remove the inner-only arguments from kwargs; refuse any that is not its default."""
+    for name, default in _INNER_ONLY_DEFAULTS.items():
+        value = kwargs.pop(name, default)
+        if value != default:
+            raise ValueError(f"TopKOptimizer does not take `{name}` (got {value!r}): set it on the inner "
+                             f"optimizer, e.g. TopKOptimizer(keras.optimizers.SGD(0.1, {name}=...), density=...)")
+    if kwargs:
+        raise ValueError(f"TopKOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}")
+
+
 @keras.saving.register_keras_serializable(package="tf_topk")
 class TopKOptimizer(keras.optimizers.Optimizer):
     """Top-k gradient sparsification with error feedback around any Keras optimizer.
@@ -81,7 +102,8 @@ class TopKOptimizer(keras.optimizers.Optimizer):
         DensitySchedule(density)  # validates
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
             raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
-        super().__init__(learning_rate=0.0, name=name or "topk_optimizer", **kwargs)
+        _check_inner_only_arguments(kwargs)
+        super().__init__(learning_rate=0.0, name=name or "topk_optimizer")
         apply_mwms_fix()  # keras#20585: model.fit under MultiWorkerMirroredStrategy
         apply_loss_scale_fix()  # mixed precision: all replicas agree on skipping a step
         self.inner_optimizer = inner_optimizer
