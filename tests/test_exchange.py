@@ -5,6 +5,7 @@ TensorFlow starts): tests/workers/exchange_replicas.py writes what every
 replica returned; here it is compared with the algorithm written in numpy.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
 
-SHAPES = [(40, 50), (300,), (3000,), (25, 80)]
+SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
 MIN_SIZE, DENSITY, REPLICAS, STEPS = 1000, 0.01, 2, 2
 SPARSE = [v for v, shape in enumerate(SHAPES) if math.prod(shape) >= MIN_SIZE]
 
@@ -54,8 +55,9 @@ def data(tmp_path_factory):
     """Everything the worker script wrote, by name."""
     path = tmp_path_factory.mktemp("exchange") / "replicas.npz"
     env = {**os.environ, **worker_env()}
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "exchange_replicas.py"), str(path)], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=180)
+    config = json.dumps(dict(shapes=SHAPES, min_size=MIN_SIZE, density=DENSITY, replicas=REPLICAS, steps=STEPS))
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "exchange_replicas.py"), str(path), config],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(path) as saved:
         return dict(saved)

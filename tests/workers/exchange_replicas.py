@@ -1,13 +1,15 @@
-"""Single process, two logical CPUs: SparseExchange under MirroredStrategy against numpy.
+"""Single process, one logical CPU per replica: SparseExchange under MirroredStrategy against numpy.
 
-Three sparsified variables and one small dense one; each replica gets its own
-gradients. The same two steps run with one bucket (bucket_bytes=None) and with
-one bucket per sparsified variable. Writes, per bucketing and step, what each
-replica returned and each replica's residuals to the .npz named on the
-command line, plus the inputs; tests/test_exchange.py compares them with a
-numpy reference. Exits non-zero on any failure.
+Usage: exchange_replicas.py OUT.npz CONFIG_JSON, the configuration coming
+from tests/test_exchange.py: variable shapes, min_size, density, replicas,
+steps. Each replica gets its own gradients. The same steps run with one bucket
+(bucket_bytes=None) and with one bucket per sparsified variable. Writes, per
+bucketing and step, what each replica returned and each replica's residuals,
+plus the inputs; the test compares them with a numpy reference. Exits non-zero
+on any failure.
 """
 
+import json
 import os
 import sys
 
@@ -16,20 +18,19 @@ os.environ.pop("TF_CONFIG", None)
 import numpy as np
 import tensorflow as tf
 
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+out_path, config = sys.argv[1], json.loads(sys.argv[2])
+SHAPES = [tuple(shape) for shape in config["shapes"]]
+MIN_SIZE, DENSITY, REPLICAS, STEPS = config["min_size"], config["density"], config["replicas"], config["steps"]
+cpu = tf.config.list_physical_devices("CPU")[0]  # one logical CPU per replica, before TensorFlow starts
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS)
 
 import tf_topk  # noqa: E402
 
-SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
-MIN_SIZE, DENSITY, REPLICAS, STEPS = 1000, 0.01, 2, 2
-
-out_path = sys.argv[1]
 rng = np.random.default_rng(7)
 # grads[step][replica][variable]; continuous values, so the exact top-k has no ties.
 grads = [[[rng.standard_normal(shape).astype(np.float32) for shape in SHAPES] for _ in range(REPLICAS)]
          for _ in range(STEPS)]
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
 assert strategy.num_replicas_in_sync == REPLICAS
 
 saved = {}

@@ -53,7 +53,3 @@ def apply_loss_scale_fix():
         current = keras.optimizers.LossScaleOptimizer.check_finite
         if not hasattr(current, "__tf_topk_original__"):
             keras.optimizers.LossScaleOptimizer.check_finite = _globally_finite(current)
-
-
-def is_loss_scale_fix_applied():
-    return hasattr(keras.optimizers.LossScaleOptimizer.check_finite, "__tf_topk_original__")
