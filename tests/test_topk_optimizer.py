@@ -188,6 +188,29 @@ def test_inner_must_be_a_keras_optimizer():
         tf_topk.TopKOptimizer(tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)))
 
 
+def test_loss_scale_optimizer_inside_is_refused_and_goes_outside():
+    """Inside, its inner optimizer would sum the exchanged gradients again (updates x replicas)."""
+    message = (r"does not take a LossScaleOptimizer as `inner_optimizer` \(got LossScaleOptimizer\).*"
+               r"Put the LossScaleOptimizer outside: keras.mixed_precision.LossScaleOptimizer\(tf_topk.TopKOptimizer")
+    with pytest.raises(ValueError, match=message):
+        tf_topk.TopKOptimizer(keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1)), density=0.1)
+    config = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.1).get_config()
+    config["inner_optimizer"] = keras.saving.serialize_keras_object(
+        keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    with pytest.raises(ValueError, match=message):
+        tf_topk.TopKOptimizer.from_config(config)
+    # The order the message names: one step in a custom loop, as the plain SGD would take it.
+    model = mlp()
+    opt = keras.mixed_precision.LossScaleOptimizer(
+        tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=1.0, min_size=1), initial_scale=8.0)
+    before = [v.numpy().copy() for v in model.trainable_variables]
+    grads = [tf.ones(v.shape) for v in model.trainable_variables]
+    tf.function(lambda: opt.apply([g * 8.0 for g in grads], model.trainable_variables))()
+    assert int(opt.iterations.numpy()) == 1
+    for b, v in zip(before, model.trainable_variables):
+        np.testing.assert_allclose(v.numpy(), b - 0.1, rtol=1e-6, atol=1e-6)
+
+
 def test_mixed_precision_single_process_trains():
     x, y = digits(256)
     keras.mixed_precision.set_global_policy("mixed_float16")

@@ -73,7 +73,9 @@ class TopKOptimizer(keras.optimizers.Optimizer):
     """Top-k gradient sparsification with error feedback around any Keras optimizer.
 
     Args:
-      inner_optimizer: the keras.optimizers.Optimizer that applies updates.
+      inner_optimizer: the keras.optimizers.Optimizer that applies updates
+        (SGD, Adam, ...). Not a TopKOptimizer, and not a LossScaleOptimizer:
+        a ValueError.
       density: fraction of each large variable's entries sent per step: a float
         in (0, 1], a list of (step, density) pairs (warm-up) or a callable
         step -> density. Steps are the inner optimizer's iterations.
@@ -84,6 +86,14 @@ class TopKOptimizer(keras.optimizers.Optimizer):
         all_gather per step.
       error_feedback: keep residuals (default True).
       name: optimizer name.
+
+    Mixed precision: the LossScaleOptimizer goes outside, never inside. Set
+    the "mixed_float16" policy and `model.compile` wraps the TopKOptimizer in
+    one; in a custom training loop, wrap it yourself:
+    `keras.mixed_precision.LossScaleOptimizer(tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)))`.
+    Inside (`TopKOptimizer(LossScaleOptimizer(SGD))`) the optimizer within the
+    LossScaleOptimizer would all-reduce the already summed gradients again,
+    so it is refused.
 
     Example:
       >>> opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01)
@@ -97,6 +107,15 @@ class TopKOptimizer(keras.optimizers.Optimizer):
                              f"got {inner_optimizer!r}")
         if isinstance(inner_optimizer, TopKOptimizer):
             raise ValueError("inner_optimizer is already a TopKOptimizer; wrap the plain optimizer once")
+        if isinstance(inner_optimizer, keras.mixed_precision.LossScaleOptimizer):
+            # Its apply never reaches the all-reduce switched off here, and the
+            # optimizer inside it would sum the exchanged gradients again.
+            raise ValueError(
+                "TopKOptimizer does not take a LossScaleOptimizer as `inner_optimizer` (got "
+                f"{type(inner_optimizer).__name__}): its updates would be multiplied by the number of replicas. "
+                "Put the LossScaleOptimizer outside: keras.mixed_precision.LossScaleOptimizer("
+                "tf_topk.TopKOptimizer(keras.optimizers.SGD(...), density=...)), or set the 'mixed_float16' "
+                "policy and let model.compile wrap it")
         if method not in ("gaussian", "exact"):
             raise ValueError(f"method must be 'gaussian' or 'exact', got {method!r}")
         DensitySchedule(density)  # validates
