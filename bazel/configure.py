@@ -127,10 +127,11 @@ def main(argv=None):
     build_ops = _build_ops()
     tf_config = tensorflow_config()
     cuda_home, nvcc = cuda_config(build_ops, args.cuda)
-    write_bazelrc(tf_config, cuda_home, nvcc, build_ops.CUDA_ARCHS, args.output)
+    archs = build_ops.cuda_archs()
+    write_bazelrc(tf_config, cuda_home, nvcc, archs, args.output)
     print(f"[configure] wrote {os.path.relpath(args.output)}: TensorFlow {tf_config['version']} "
           f"({tf_config['include']}), CUDA kernels: "
-          + (f"yes ({nvcc}, sm_{', sm_'.join(build_ops.CUDA_ARCHS)})" if cuda_home else "no"), flush=True)
+          + (f"yes ({nvcc}, sm_{', sm_'.join(archs)})" if cuda_home else "no"), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Used by `setup.py` (so `pip install -e .` builds it) and runnable on its own:
 
     python cc/build_ops.py                      # writes tf_topk/_tf_topk_ops.so
     TF_TOPK_CUDA=0 python cc/build_ops.py       # CPU kernels only
+    TF_TOPK_CUDA_ARCHS=70,80 python cc/build_ops.py   # other GPU architectures
     python cc/build_ops.py --output /tmp/lib.so
 
 The CUDA sources (`cc/kernels/*.cu.cc`) are compiled whenever `nvcc` is found
@@ -29,8 +30,30 @@ CC_DIR = os.path.join(ROOT, "cc")
 DEFAULT_OUTPUT = os.path.join(ROOT, "tf_topk", "_tf_topk_ops.so")
 REBUILD_COMMAND = "pip install --no-build-isolation -e . (or: python cc/build_ops.py)"
 
-# Hopper (H100/H200) first, plus Ampere and a PTX fallback for newer chips.
-CUDA_ARCHS = ("80", "90")
+# GPU architectures (compute capabilities) with machine code in the library:
+# every one that CUDA 13's nvcc still builds from Turing on (T4 7.5, A100 8.0,
+# A10/RTX 30xx 8.6, L4/RTX 40xx 8.9, H100/H200 9.0), plus PTX of the newest
+# for later chips (Blackwell), which the driver compiles at first use. CUDA 13
+# dropped Volta (V100, 7.0) and older: build those with an older nvcc and
+# TF_TOPK_CUDA_ARCHS=70,... (a comma-separated list of compute capabilities).
+DEFAULT_CUDA_ARCHS = ("75", "80", "86", "89", "90")
+
+
+def cuda_archs(environ=None):
+    """The architectures to build: TF_TOPK_CUDA_ARCHS ("75,80" or "7.5,8.0"),
+    else DEFAULT_CUDA_ARCHS. The last one also gets PTX."""
+    value = (os.environ if environ is None else environ).get("TF_TOPK_CUDA_ARCHS", "").strip()
+    if not value:
+        return DEFAULT_CUDA_ARCHS
+    archs = []
+    for item in value.split(","):
+        digits = item.strip().replace(".", "")
+        if not (digits.isdigit() and 2 <= len(digits) <= 3):
+            raise SystemExit(f"TF_TOPK_CUDA_ARCHS must be a comma-separated list of compute capabilities "
+                             f"such as 75,80,90 (or 7.5,8.0,9.0); got {value!r} (bad entry {item!r})")
+        archs.append(digits)
+    return tuple(sorted(set(archs), key=int))
+
 
 
 def build_info_path(library_path):
@@ -104,6 +127,7 @@ def build(output=DEFAULT_OUTPUT):
     cpu_sources, cuda_sources = sources()
     nvcc = find_nvcc()
     with_cuda = nvcc is not None and bool(cuda_sources)
+    archs = cuda_archs() if with_cuda else ()
     common = ["-I", os.path.join(CC_DIR, "kernels"), "-I", CC_DIR] + compile_flags
     # TensorFlow's own headers trigger these warnings; they say nothing about cc/.
     gxx_only = ["-O3", "-fPIC", "-Wno-deprecated-declarations", "-Wno-interference-size"]
@@ -115,9 +139,9 @@ def build(output=DEFAULT_OUTPUT):
             shim = cuda_shim_include(cuda_home, workdir)
             common += ["-DGOOGLE_CUDA=1", "-I", shim, "-I", os.path.join(cuda_home, "include")]
             gencode = []
-            for arch in CUDA_ARCHS:
+            for arch in archs:
                 gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
-            gencode += ["-gencode", f"arch=compute_{CUDA_ARCHS[-1]},code=compute_{CUDA_ARCHS[-1]}"]
+            gencode += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
             for source in cuda_sources:
                 obj = os.path.join(workdir, os.path.basename(source) + ".o")
                 host_flags = [f for f in common if f != "--std=c++17"]
@@ -134,7 +158,7 @@ def build(output=DEFAULT_OUTPUT):
         _run(["g++", "-shared", "-o", tmp_output, *objects, *link_flags, *link_extra])
         os.replace(tmp_output, output)  # never leave a half-written library behind
     info = {"tensorflow_version": tf_version, "cuda": with_cuda,
-            "cuda_archs": list(CUDA_ARCHS) if with_cuda else []}
+            "cuda_archs": list(archs) if with_cuda else []}
     with open(build_info_path(output), "w") as f:
         json.dump(info, f, indent=1)
     _log(f"built {output} (TensorFlow {tf_version}, CUDA kernels: {'yes' if with_cuda else 'no'})")
