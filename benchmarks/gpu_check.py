@@ -7,6 +7,10 @@ Runs on the device machine (CUDA toolkit with nvcc, PyTorch; no TensorFlow):
     python benchmarks/gpu_check.py --quick         # smaller sizes, fewer runs
     python benchmarks/gpu_check.py --json out.json # also write the results
     python benchmarks/gpu_check.py --compile-only  # only build the harness (no GPU needed)
+    compute-sanitizer --tool racecheck python benchmarks/gpu_check.py --sanitize
+                                                   # small sizes only, for the sanitizers
+    ncu -k regex:Kernel python benchmarks/gpu_check.py --profile-once
+                                                   # one call of each method, for a profiler
 
 It compiles benchmarks/gpu/harness.cu (which includes cc/kernels/approx_topk.cuh,
 the same kernels the TensorFlow op launches) with nvcc into a temporary folder,
@@ -18,18 +22,23 @@ Correctness (exit status 1 on any failure):
     index 0 (outputs are pre-filled with garbage to prove the kernel zeroes
     them), no device-side invariant violation, every entry above the plan's
     sure threshold got a slot (sure_counter == above);
+  both methods: the count is min(k, qualifying);
   exact: the sorted magnitudes equal those of torch.topk over the qualifying
-    entries, and the count is min(k, qualifying);
-  gaussian: at most k selected, all qualifying when fewer than k qualify;
-    recall against the exact k-th magnitude is reported (not a failure).
+    entries;
+  gaussian: no selected magnitude lies below the lower edge of the exact k-th
+    magnitude's bin; recall against the exact k-th magnitude is reported (not
+    a failure);
+  runs repeated on the same input: exact selects the same set each time when
+    the magnitudes are distinct; how often gaussian's set changes is reported.
 The correctness runs use a harness built with -DTF_TOPK_DEBUG_CHECKS, which
 also compares the parallel plan with the serial PlanFromHistogram on device.
 
 Timing (CUDA events, median after warm-up; the GPU is kept busy with a sleep
 kernel while each call is enqueued so launch overhead is not counted): the two
 methods, torch.topk(x.abs(), k), and a one-pass yardstick (torch.sum and a
-device-to-device copy) at n = 25M and 100M, density 0.001, normal and
-Student-t (3 degrees of freedom) float32 data.
+device-to-device copy) at n = 25M and 100M, density 0.001 and 0.01, normal and
+Student-t (3 degrees of freedom) float32 data. "passes" is a method's time over
+the time of one read of the input (half the copy, which reads and writes).
 """
 
 import argparse
@@ -51,8 +60,9 @@ KERNEL_DIR = os.path.join(ROOT, "cc", "kernels")
 GAUSSIAN = 0  # tf_topk::Method::kGaussian
 EXACT = 1     # tf_topk::Method::kExact
 METHOD_NAMES = {GAUSSIAN: "gaussian", EXACT: "exact"}
-STATE_FIELDS = ("sure_above", "tie_low", "above", "need", "done", "error", "count",
-                "sure_counter", "tie_counter", "prefix", "k_rem", "qualifying")
+STATE_FIELDS = ("sure_above", "tie_low", "bin_low", "above", "need", "done", "error", "count",
+                "sure_counter", "tie_counter", "fill_counter", "prefix", "qualifying")
+BIN_SHIFT = 20  # kBinShift in topk_common.h: a bin is the top 11 magnitude bits
 DEVICE_ERRORS = {1: "exact radix level lost the rank", 2: "sure slot >= k",
                  3: "parallel plan != serial PlanFromHistogram"}
 
@@ -99,7 +109,7 @@ class Harness:
     def __init__(self, path):
         lib = ctypes.CDLL(path)  # RTLD_LOCAL: two builds can live side by side
         lib.tf_topk_scratch_bytes.restype = ctypes.c_size_t
-        lib.tf_topk_scratch_bytes.argtypes = []
+        lib.tf_topk_scratch_bytes.argtypes = [ctypes.c_longlong]
         lib.tf_topk_debug_checks.restype = ctypes.c_int
         lib.tf_topk_debug_checks.argtypes = []
         select_args = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
@@ -116,8 +126,15 @@ class Harness:
         lib.tf_topk_error_string.restype = ctypes.c_char_p
         lib.tf_topk_error_string.argtypes = [ctypes.c_int]
         self.lib = lib
-        self.scratch_bytes = int(lib.tf_topk_scratch_bytes())
         self.debug_checks = bool(lib.tf_topk_debug_checks())
+
+    def scratch_bytes(self, k):
+        return int(self.lib.tf_topk_scratch_bytes(k))
+
+    def scratch(self, k):
+        import torch
+
+        return torch.empty(self.scratch_bytes(k), dtype=torch.uint8, device="cuda")
 
     def error_string(self, code):
         return self.lib.tf_topk_error_string(code).decode()
@@ -183,6 +200,12 @@ def make_input(kind, n, dtype, seed, offset=0):
     elif kind == "constant":  # one magnitude everywhere, both signs
         sign = torch.randint(0, 2, (total,), generator=g, device="cuda").float() * 2 - 1
         base = sign * 0.75
+    elif kind == "top_bin":  # magnitudes in the top finite bin, next to +Inf
+        top = {torch.float32: 3.3e38, torch.float16: 65000.0, torch.bfloat16: 3.3e38}[dtype]
+        base = torch.where(randn(total) > 0, top, -top) * (1.0 - 0.001 * torch.rand(
+            total, generator=g, device="cuda"))
+    elif kind == "quarters":  # normal data rounded to 1/4: many ties in every bin
+        base = torch.round(randn(total) * 4.0) / 4.0
     elif kind == "sparse":  # about n/1000 + 1 non-zeros: fewer than k for dense k
         base = torch.zeros(total, device="cuda")
         nnz = total // 1000 + 1
@@ -223,18 +246,27 @@ def reference(x, k):
     return top, int(qual.sum().item())
 
 
+def run_select(h, x, k, method, scratch, stream):
+    """One selection into outputs pre-filled with garbage (the launch must
+    zero them); returns (values, indices, device state)."""
+    import torch
+
+    values = torch.empty(k, dtype=x.dtype, device="cuda")
+    indices = torch.empty(k, dtype=torch.int32, device="cuda")
+    values.fill_(3.0)
+    indices.fill_(123456789)
+    h.select(x, k, method, values, indices, scratch, stream.cuda_stream)
+    state = h.read_state(scratch, stream.cuda_stream)  # synchronises the stream
+    torch.cuda.synchronize()
+    return values, indices, state
+
+
 def check_one(h, x, k, method, ref_mag, n_qual, scratch, stream):
     """Run one selection and return (problems, info)."""
     import torch
 
     n = x.numel()
-    values = torch.empty(k, dtype=x.dtype, device="cuda")
-    indices = torch.empty(k, dtype=torch.int32, device="cuda")
-    values.fill_(3.0)          # garbage: the launch must zero the outputs
-    indices.fill_(123456789)
-    h.select(x, k, method, values, indices, scratch, stream.cuda_stream)
-    state = h.read_state(scratch, stream.cuda_stream)  # synchronises the stream
-    torch.cuda.synchronize()
+    values, indices, state = run_select(h, x, k, method, scratch, stream)
 
     problems = []
     if state["error"] != 0:
@@ -264,10 +296,10 @@ def check_one(h, x, k, method, ref_mag, n_qual, scratch, stream):
             problems.append("selected a non-qualifying entry")
     expected = min(k, n_qual)
     info = {"count": count, "expected_count": expected}
+    if count != expected:
+        problems.append(f"count {count} != min(k, qualifying) {expected}")
 
     if method == EXACT:
-        if count != expected:
-            problems.append(f"count {count} != min(k, qualifying) {expected}")
         got = torch.sort(values.float().abs(), descending=True).values
         if not torch.equal(got, ref_mag):
             diff = int((got != ref_mag).sum().item())
@@ -275,35 +307,42 @@ def check_one(h, x, k, method, ref_mag, n_qual, scratch, stream):
         if state["tie_counter"] < state["need"]:
             problems.append(f"tie_counter {state['tie_counter']} < need {state['need']}")
     else:
-        if count > expected:
-            problems.append(f"count {count} > min(k, qualifying) {expected}")
-        if n_qual <= k and count != n_qual:
-            problems.append(f"fewer than k qualify but only {count} of {n_qual} selected")
-        if expected > 0:
+        if expected > 0 and count > 0:
             kth = ref_mag[expected - 1]
+            bin_low = int(kth.float().view(torch.int32).item()) & ~((1 << BIN_SHIFT) - 1)
+            lowest = values[selected].float().abs().min()
+            if int(lowest.view(torch.int32).item()) < bin_low:
+                problems.append(f"selected magnitude {lowest.item()!r} lies below the k-th "
+                                f"magnitude's bin ({kth.item()!r})")
             hits = int((values.float().abs() >= kth).sum().item())
             info["recall"] = hits / expected
             info["count_ratio"] = count / expected
+            info["fill_counter"] = state["fill_counter"]
         else:
             info["recall"] = 1.0
             info["count_ratio"] = 1.0
     return problems, info
 
 
-def correctness(h, quick):
+def correctness(h, quick, sanitize=False):
     import torch
 
-    sizes = [1, 7, 1000, 2 ** 20 + 3, 25_000_000] + ([] if quick else [100_000_000])
-    dtypes = [torch.float32, torch.float16, torch.bfloat16]
     special_kinds = ["specials", "zeros", "neg_zeros", "ties", "constant", "sparse", "shifted",
-                     "tiny", "student_t"]
+                     "tiny", "student_t", "top_bin", "quarters"]
+    if sanitize:  # the sanitizers run each kernel 10-100x slower
+        sizes, special_sizes = [1, 7, 1000, 70_003], (1000, 70_003)
+        special_kinds = ["specials", "constant", "ties", "sparse", "top_bin", "quarters"]
+    else:
+        sizes = [1, 7, 1000, 2 ** 20 + 3, 25_000_000] + ([] if quick else [100_000_000])
+        special_sizes = (7, 1000, 2 ** 20 + 3)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16]
     cases = []  # (kind, n, dtype, offset)
     for n in sizes:
         for dtype in dtypes:
             if quick and n >= 25_000_000 and dtype != torch.float32:
                 continue
             cases.append(("normal", n, dtype, 0))
-    for n in (7, 1000, 2 ** 20 + 3):
+    for n in special_sizes:
         for dtype in dtypes:
             for kind in special_kinds:
                 cases.append((kind, n, dtype, 0))
@@ -311,7 +350,6 @@ def correctness(h, quick):
                 cases.append(("normal", n, dtype, offset))
 
     stream = torch.cuda.Stream()
-    scratch = torch.empty(h.scratch_bytes, dtype=torch.uint8, device="cuda")  # reused throughout
     results, failures = [], []
     seed = 0
     with torch.cuda.stream(stream):
@@ -320,6 +358,7 @@ def correctness(h, quick):
             x = make_input(kind, n, dtype, seed, offset)
             for k in k_values(n):
                 ref_mag, n_qual = reference(x, k)
+                scratch = h.scratch(k)
                 for method in (EXACT, GAUSSIAN):
                     label = (f"{METHOD_NAMES[method]:8s} {kind:9s} n={n:<10d} k={k:<10d} "
                              f"{str(dtype).replace('torch.', ''):8s} offset={offset}")
@@ -334,8 +373,9 @@ def correctness(h, quick):
                     if problems:
                         failures.append(record)
                         log(f"FAIL {label}: {'; '.join(problems)}")
-                    elif method == GAUSSIAN and kind in ("normal", "student_t", "shifted") and n >= 1000:
-                        log(f"ok   {label} recall={info['recall']:.4f} count/k={info['count_ratio']:.4f}")
+                    elif (method == GAUSSIAN and kind in ("normal", "student_t", "shifted")
+                          and n >= 2 ** 20 and 1 < k < n):
+                        log(f"ok   {label} recall={info['recall']:.4f}")
             del x
     torch.cuda.empty_cache()
     log(f"correctness: {len(results)} runs, {len(failures)} failures")
@@ -344,9 +384,38 @@ def correctness(h, quick):
     if gauss:
         log("gaussian on n >= 2^20 (normal, student_t, shifted): "
             f"min recall {min(r['recall'] for r in gauss):.4f}, "
-            f"min count/k {min(r['count_ratio'] for r in gauss):.4f}, "
-            f"median count/k {statistics.median(r['count_ratio'] for r in gauss):.4f}")
+            f"median recall {statistics.median(r['recall'] for r in gauss):.4f}")
     return results, failures
+
+
+def repeatability(h, n, runs=5):
+    """The same input selected `runs` times by each method: how many distinct
+    index sets came out. Exact must give one (normal float32 data: the
+    magnitudes are distinct); gaussian's is reported."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    rows, problems = [], []
+    with torch.cuda.stream(stream):
+        x = make_input("normal", n, torch.float32, seed=4242)
+        for density in (0.001, 0.01):
+            k = max(1, round(density * n))
+            scratch = h.scratch(k)
+            for method in (EXACT, GAUSSIAN):
+                sets = set()
+                for _ in range(runs):
+                    _, indices, _ = run_select(h, x, k, method, scratch, stream)
+                    sets.add(hash(torch.sort(indices).values.cpu().numpy().tobytes()))
+                row = {"method": METHOD_NAMES[method], "n": n, "k": k, "runs": runs,
+                       "distinct_sets": len(sets)}
+                rows.append(row)
+                log(f"repeat {row['method']:8s} n={n} k={k}: {len(sets)} distinct index set(s) "
+                    f"in {runs} runs")
+                if method == EXACT and len(sets) != 1:
+                    problems.append(row)
+        del x
+    torch.cuda.empty_cache()
+    return rows, problems
 
 
 # ---------------------------------------------------------------------------
@@ -380,56 +449,72 @@ def time_gpu(fn, stream, warmup, runs):
 def timing(h, quick):
     import torch
 
-    sizes = [25_000_000, 100_000_000]
-    runs, warmup = (10, 3) if quick else (50, 5)
+    runs, warmup = (10, 3) if quick else (30, 5)
     stream = torch.cuda.Stream()
-    scratch = torch.empty(h.scratch_bytes, dtype=torch.uint8, device="cuda")
     rows = []
-    for n in sizes:
+    for n in (25_000_000, 100_000_000):
         for kind in ("normal", "student_t"):
             with torch.cuda.stream(stream):
                 x = make_input(kind, n, torch.float32, seed=1000 + n % 997)
-                k = max(1, round(0.001 * n))
-                values = torch.empty(k, dtype=x.dtype, device="cuda")
-                indices = torch.empty(k, dtype=torch.int32, device="cuda")
                 dst = torch.empty_like(x)
             stream.synchronize()
-            handle = stream.cuda_stream
-            row = {"n": n, "k": k, "kind": kind, "dtype": "float32"}
-            row["gaussian_ms"] = time_gpu(
-                lambda: h.select(x, k, GAUSSIAN, values, indices, scratch, handle), stream, warmup, runs)
-            with torch.cuda.stream(stream):
-                h.select(x, k, GAUSSIAN, values, indices, scratch, handle)
-                row["gaussian_count"] = int((bits_view(values) != 0).sum().item())
-            row["exact_ms"] = time_gpu(
-                lambda: h.select(x, k, EXACT, values, indices, scratch, handle), stream, warmup, runs)
-            row["torch_topk_ms"] = time_gpu(lambda: torch.topk(x.abs(), k), stream, warmup, runs)
-            row["sum_ms"] = time_gpu(lambda: torch.sum(x), stream, warmup, runs)
-            row["copy_ms"] = time_gpu(lambda: dst.copy_(x), stream, warmup, runs)
-            nbytes = x.numel() * x.element_size()
-            row["copy_GBps"] = 2 * nbytes / (row["copy_ms"] * 1e-3) / 1e9
-            row["sum_GBps"] = nbytes / (row["sum_ms"] * 1e-3) / 1e9
-            row["torch_over_gaussian"] = row["torch_topk_ms"] / row["gaussian_ms"]
-            row["torch_over_exact"] = row["torch_topk_ms"] / row["exact_ms"]
-            row["gaussian_over_sum"] = row["gaussian_ms"] / row["sum_ms"]
-            row["exact_over_sum"] = row["exact_ms"] / row["sum_ms"]
-            rows.append(row)
-            del x, dst, values, indices
+            copy_ms = time_gpu(lambda: dst.copy_(x), stream, warmup, runs)
+            sum_ms = time_gpu(lambda: torch.sum(x), stream, warmup, runs)
+            for density in (0.001, 0.01):
+                k = max(1, round(density * n))
+                with torch.cuda.stream(stream):
+                    values = torch.empty(k, dtype=x.dtype, device="cuda")
+                    indices = torch.empty(k, dtype=torch.int32, device="cuda")
+                    scratch = h.scratch(k)
+                stream.synchronize()
+                handle = stream.cuda_stream
+                row = {"n": n, "k": k, "density": density, "kind": kind, "dtype": "float32",
+                       "copy_ms": copy_ms, "sum_ms": sum_ms}
+                for method in (GAUSSIAN, EXACT):
+                    row[f"{METHOD_NAMES[method]}_ms"] = time_gpu(
+                        lambda: h.select(x, k, method, values, indices, scratch, handle),
+                        stream, warmup, runs)
+                row["torch_topk_ms"] = time_gpu(lambda: torch.topk(x.abs(), k), stream, warmup, runs)
+                nbytes = x.numel() * x.element_size()
+                read_ms = copy_ms / 2  # the copy reads and writes every byte once
+                row["copy_GBps"] = 2 * nbytes / (copy_ms * 1e-3) / 1e9
+                row["torch_over_gaussian"] = row["torch_topk_ms"] / row["gaussian_ms"]
+                row["torch_over_exact"] = row["torch_topk_ms"] / row["exact_ms"]
+                row["gaussian_passes"] = row["gaussian_ms"] / read_ms
+                row["exact_passes"] = row["exact_ms"] / read_ms
+                rows.append(row)
+                del values, indices, scratch
+            del x, dst
             torch.cuda.empty_cache()
 
-    header = (f"{'n':>11s} {'data':>9s} {'k':>7s} {'gauss ms':>9s} {'exact ms':>9s} {'topk ms':>9s} "
-              f"{'sum ms':>8s} {'copy ms':>8s} {'copy GB/s':>9s} {'topk/gs':>8s} {'topk/ex':>8s} "
-              f"{'gs/sum':>7s} {'ex/sum':>7s}")
+    header = (f"{'n':>11s} {'data':>9s} {'k':>8s} {'gauss ms':>9s} {'exact ms':>9s} {'topk ms':>9s} "
+              f"{'copy ms':>8s} {'copy GB/s':>9s} {'topk/gs':>8s} {'topk/ex':>8s} "
+              f"{'gs pass':>7s} {'ex pass':>7s}")
     log(header)
     for r in rows:
-        log(f"{r['n']:>11d} {r['kind']:>9s} {r['k']:>7d} {r['gaussian_ms']:>9.3f} {r['exact_ms']:>9.3f} "
-            f"{r['torch_topk_ms']:>9.3f} {r['sum_ms']:>8.3f} {r['copy_ms']:>8.3f} {r['copy_GBps']:>9.0f} "
+        log(f"{r['n']:>11d} {r['kind']:>9s} {r['k']:>8d} {r['gaussian_ms']:>9.3f} {r['exact_ms']:>9.3f} "
+            f"{r['torch_topk_ms']:>9.3f} {r['copy_ms']:>8.3f} {r['copy_GBps']:>9.0f} "
             f"{r['torch_over_gaussian']:>8.1f} {r['torch_over_exact']:>8.1f} "
-            f"{r['gaussian_over_sum']:>7.2f} {r['exact_over_sum']:>7.2f}")
+            f"{r['gaussian_passes']:>7.2f} {r['exact_passes']:>7.2f}")
     return rows
 
 
 # ---------------------------------------------------------------------------
+
+def profile_once(h, n=25_000_000, density=0.001):
+    """One warm-up and one profiled call of each method (a profiler sees every
+    kernel of both)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        x = make_input("normal", n, torch.float32, seed=7)
+        k = round(density * n)
+        scratch = h.scratch(k)
+        for method in (GAUSSIAN, EXACT, GAUSSIAN, EXACT):
+            run_select(h, x, k, method, scratch, stream)
+    log(f"profiled n={n} k={k}")
+
 
 def local_arch():
     try:
@@ -454,6 +539,10 @@ def main(argv=None):
     parser.add_argument("--ptxas-verbose", action="store_true", help="pass -Xptxas -v to nvcc")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--profile-once", action="store_true",
+                        help="one call of each method at n = 25M, density 0.001, for a profiler")
+    parser.add_argument("--sanitize", action="store_true",
+                        help="small sizes only and no timing: for runs under compute-sanitizer")
     args = parser.parse_args(argv)
 
     build_dir = tempfile.mkdtemp(prefix="tf_topk_harness_")
@@ -465,7 +554,7 @@ def main(argv=None):
             for debug in (False, True):
                 name = "libtf_topk_harness_debug.so" if debug else "libtf_topk_harness.so"
                 h = Harness(os.path.join(build_dir, name))  # loads without a GPU
-                log(f"  {name}: scratch {h.scratch_bytes} bytes, debug checks {h.debug_checks}")
+                log(f"  {name}: scratch for k = 1000: {h.scratch_bytes(1000)} bytes, debug checks {h.debug_checks}")
             log("compile-only: ok")
             return 0
 
@@ -479,13 +568,20 @@ def main(argv=None):
         report = {"device": device, "arch": f"sm_{arch}", "torch": torch.__version__,
                   "torch_cuda": torch.version.cuda, "quick": args.quick}
         failures = []
+        if args.profile_once:
+            profile_once(Harness(build_harness(build_dir, arch)))
+            return 0
         if not args.skip_correctness:
             checked = Harness(build_harness(build_dir, arch, debug_checks=True,
                                             ptxas_verbose=args.ptxas_verbose))
-            results, failures = correctness(checked, args.quick)
+            results, failures = correctness(checked, args.quick, sanitize=args.sanitize)
             report["correctness"] = results
             report["failures"] = failures
-        if not args.skip_timing:
+            if not args.sanitize:
+                report["repeatability"], unstable = repeatability(
+                    checked, 2 ** 20 + 3 if args.quick else 25_000_000)
+                failures = failures + unstable
+        if not args.skip_timing and not args.sanitize:
             fast = Harness(build_harness(build_dir, arch, debug_checks=False,
                                          ptxas_verbose=args.ptxas_verbose))
             report["timing"] = timing(fast, args.quick)

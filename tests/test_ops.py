@@ -249,3 +249,31 @@ def test_jit_compile_is_refused_with_the_fix():
             function(tf.constant([1.0, 2.0]))
     values, _ = tf.function(lambda x: tf_topk.approx_topk(x, 1), jit_compile=False)(tf.constant([1.0, -2.0]))
     assert values.numpy().tolist() == [-2.0]
+
+
+def test_op_determinism_cpu_runs_and_gpu_refuses(tmp_path):
+    """Under op determinism the CPU kernel (deterministic) runs and repeats
+    itself bit for bit; the GPU kernel (atomic slot order) refuses to run
+    with UnimplementedError. The GPU half runs where TensorFlow sees a GPU."""
+    result = _run_python("""
+        import numpy as np, tensorflow as tf, tf_topk
+        tf.config.experimental.enable_op_determinism()
+        x = tf.constant(np.random.default_rng(0).standard_normal(400_000).astype(np.float32))
+        with tf.device("/CPU:0"):
+            runs = [tf_topk.approx_topk(x, 400) for _ in range(3)]
+        same = all(np.array_equal(v.numpy(), runs[0][0].numpy()) and
+                   np.array_equal(i.numpy(), runs[0][1].numpy()) for v, i in runs)
+        print("cpu", same)
+        if tf.config.list_physical_devices("GPU"):
+            try:
+                with tf.device("/GPU:0"):
+                    tf_topk.approx_topk(x, 400)
+                print("gpu ran")
+            except tf.errors.UnimplementedError as e:
+                print("gpu refused", "enable_op_determinism" in str(e) and "CPU" in str(e))
+    """, cwd=str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "cpu True"
+    if len(lines) > 1:
+        assert lines[1] == "gpu refused True"

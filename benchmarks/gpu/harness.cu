@@ -34,7 +34,9 @@ int Select(const void* x, long long n, long long k, int method, void* values,
 
 extern "C" {
 
-size_t tf_topk_scratch_bytes() { return tf_topk::cuda::ScratchBytes(); }
+size_t tf_topk_scratch_bytes(long long k) {
+  return tf_topk::cuda::ScratchBytes(static_cast<int64_t>(k));
+}
 
 // 1 when built with -DTF_TOPK_DEBUG_CHECKS (device-side plan cross-checks).
 int tf_topk_debug_checks() {
@@ -65,9 +67,9 @@ int tf_topk_select_bf16(const void* x, long long n, long long k, int method,
 }
 
 // Copies the device-side state left by the last select on `scratch` into
-// out[0:12] (waits for `stream`): sure_above, tie_low, above, need, done,
-// error, count (qualifying, gaussian only), sure_counter, tie_counter, prefix,
-// k_rem, bin1 count (entries in hist1, i.e. qualifying entries).
+// out[0:13] (waits for `stream`): sure_above, tie_low, bin_low, above, need,
+// done, error, count (qualifying, gaussian only), sure_counter, tie_counter,
+// fill_counter, prefix, qualifying (entries in hist1).
 int tf_topk_read_state(const void* scratch, long long* out, void* stream) {
   using tf_topk::cuda::Scratch;
   Scratch* host = new Scratch;
@@ -79,18 +81,13 @@ int tf_topk_read_state(const void* scratch, long long* out, void* stream) {
     const tf_topk::cuda::State& st = host->state;
     long long qualifying = 0;
     for (int b = 0; b < tf_topk::kNumBins; ++b) qualifying += host->hist1[b];
-    out[0] = st.sure_above;
-    out[1] = st.tie_low;
-    out[2] = st.above;
-    out[3] = st.need;
-    out[4] = st.done;
-    out[5] = st.error;
-    out[6] = static_cast<long long>(st.count);
-    out[7] = static_cast<long long>(st.sure_counter);
-    out[8] = static_cast<long long>(st.tie_counter);
-    out[9] = st.prefix;
-    out[10] = st.k_rem;
-    out[11] = qualifying;
+    const long long fields[] = {
+        st.sure_above, st.tie_low, st.bin_low, st.above, st.need,
+        st.exact.done, st.error, static_cast<long long>(st.count),
+        static_cast<long long>(st.sure_counter),
+        static_cast<long long>(st.tie_counter),
+        static_cast<long long>(st.fill_counter), st.exact.prefix, qualifying};
+    for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); ++i) out[i] = fields[i];
   }
   delete host;
   return static_cast<int>(err);

@@ -4,7 +4,7 @@
 // machine is the code TensorFlow runs.
 //
 // Entry points (namespace tf_topk::cuda):
-//   ScratchBytes()        bytes of device scratch LaunchApproxTopK needs.
+//   ScratchBytes(k)       bytes of device scratch LaunchApproxTopK needs.
 //   LaunchApproxTopK<T>() zeroes scratch and outputs, then enqueues every
 //                         kernel on `stream`. Nothing is read back to the host
 //                         and nothing synchronises: each kernel takes its
@@ -15,6 +15,19 @@
 //   gaussian: [histogram + moments] -> plan -> [compaction]          2 passes
 //   exact:    [histogram 30:20] -> plan -> [histogram 19:9] -> plan
 //             -> [histogram 8:0] -> plan -> [compaction]             4 passes
+// then [finish], over the output slots only: the gaussian fill copies, from
+// a list the compaction kept, entries of the threshold bin below the normal
+// fit's threshold into the slots the entries above it left empty (k slots
+// are filled whenever k entries qualify), and spare slots get zeros.
+//
+// The plan arithmetic (crossing, exact radix levels, normal fit, entry
+// classes, fill count) is in topk_common.h, shared with the CPU kernel and
+// the CPU emulation of this algorithm that the tests run without a GPU.
+//
+// Not deterministic: slots come from atomic counters, so the output order,
+// and which of several equal-priority tied entries fill the last slots,
+// vary from run to run (the set above the threshold bin does not). The TF
+// op refuses to run on the GPU under op determinism.
 // The exact method's levels 2 and 3 only count entries inside the bin found
 // so far; their shared-memory atomics are rare, so those passes run at the
 // speed of the loads.
@@ -45,12 +58,6 @@ constexpr int kCompactBlocksPerSm = 6;  // 1536 threads, <= 40 regs (32 spills)
 constexpr int kUnroll = 4;          // 16-byte loads in flight per thread
 constexpr int kPlanThreads = 256;   // the single-block plan kernels
 
-// Exact radix levels over the 31 magnitude bits: [30:20] (the common 2048-bin
-// histogram), [19:9] and [8:0].
-constexpr int kL2Shift = 9;                 // level 2 digit: bits [19:9]
-constexpr int kL2Bins = 1 << (kBinShift - kL2Shift);  // 2048
-constexpr int kL3Bins = 1 << kL2Shift;      // level 3 digit: bits [8:0], 512
-
 static_assert(kNumBins % kPlanThreads == 0, "plan threads must divide bins");
 static_assert(kL2Bins % kPlanThreads == 0, "plan threads must divide bins");
 static_assert(kL3Bins % kPlanThreads == 0, "plan threads must divide bins");
@@ -69,15 +76,15 @@ struct State {
   // Output slot counters of the compaction pass.
   unsigned long long sure_counter;  // entries with bits > sure_above
   unsigned long long tie_counter;   // entries with bits in [tie_low, sure_above]
+  unsigned long long fill_counter;  // entries with bits in [bin_low, tie_low)
   // The plan the compaction pass reads.
   long long above;  // entries with bits > sure_above (< k)
   long long need;   // tie slots: k - above (0 when fewer than k qualify)
   uint32_t sure_above;
   uint32_t tie_low;
-  // Exact radix select.
-  long long k_rem;  // rank still wanted inside the current prefix's bin
-  uint32_t prefix;  // magnitude bits fixed so far (high digits)
-  int done;         // 1: fewer than k qualify, levels 2 and 3 do nothing
+  uint32_t bin_low;
+  // Exact radix select between its levels.
+  ExactState exact;
   // Invariant violations seen on the device (0: none). Never expected; the
   // harness reads it after its correctness runs.
   int error;
@@ -95,8 +102,19 @@ constexpr int kErrorLevelNotFound = 1;   // exact: a deeper level lost the rank
 constexpr int kErrorSlotOverflow = 2;    // compaction: a sure slot >= k
 constexpr int kErrorPlanMismatch = 3;    // debug: parallel plan != serial plan
 
-inline size_t ScratchBytes() {
+// The Scratch struct, then the fill list: the indices of up to k entries of
+// the threshold bin below the gaussian threshold.
+inline size_t ScratchHeaderBytes() {
   return (sizeof(Scratch) + 255) / 256 * 256;
+}
+
+inline size_t ScratchBytes(int64_t k) {
+  return ScratchHeaderBytes() + static_cast<size_t>(k > 0 ? k : 0) * sizeof(int32_t);
+}
+
+inline int32_t* FillList(void* scratch) {
+  return reinterpret_cast<int32_t*>(static_cast<char*>(scratch) +
+                                    ScratchHeaderBytes());
 }
 
 // ---------------------------------------------------------------------------
@@ -243,10 +261,8 @@ __global__ void __launch_bounds__(kThreads, kHistBlocksPerSm)
 
   // Block-uniform exit, before any barrier: the exact method already knows
   // that fewer than k entries qualify.
-  if (kLevel > 1 && s->state.done) return;
-  // Entries of this level have magnitude bits >> match_shift == match.
-  const int match_shift = kLevel == 2 ? kBinShift : kL2Shift;
-  const uint32_t match = kLevel > 1 ? s->state.prefix >> match_shift : 0u;
+  if (kLevel > 1 && s->state.exact.done) return;
+  const uint32_t prefix = s->state.exact.prefix;
 
   for (int i = threadIdx.x; i < kBins; i += blockDim.x) shist[i] = 0u;
   __syncthreads();
@@ -256,18 +272,10 @@ __global__ void __launch_bounds__(kThreads, kHistBlocksPerSm)
   auto fn = [&](int64_t, Bits raw, bool valid) {
     const float f = Traits<T>::ToFloat(raw);
     const uint32_t bits = MagnitudeBits(f);
-    if (!valid || !Qualifies(bits)) return;
-    int bin;
-    if (kLevel == 1) {
-      bin = BinOf(bits);
-    } else if (kLevel == 2) {
-      if ((bits >> kBinShift) != match) return;
-      bin = static_cast<int>((bits >> kL2Shift) & (kL2Bins - 1));
-    } else {
-      if ((bits >> kL2Shift) != match) return;
-      bin = static_cast<int>(bits & (kL3Bins - 1));
+    if (!valid || !Qualifies(bits) || !InExactLevel(bits, kLevel, prefix)) {
+      return;
     }
-    atomicAdd(&shist[bin], 1u);
+    atomicAdd(&shist[ExactLevelBin(bits, kLevel)], 1u);
     if (kMoments) {
       const double d = f;
       sum += d;
@@ -367,154 +375,176 @@ __device__ void FindCrossing(const uint32_t* hist, long long k, int* bin,
   *total = static_cast<long long>(scan[kPlanThreads - 1]);
 }
 
-// Same fields as PlanFromHistogram (topk_common.h) from the crossing found in
-// parallel: that serial loop over 2048 bins in one thread would cost more
-// than the rest of the plan.
-__device__ inline Plan PlanFromCrossing(int bin, long long above,
-                                        long long total, long long k) {
-  Plan plan;
-  if (bin >= 0) {
-    plan.bin = bin;
-    plan.above = above;
-    plan.need = k - above;
-    plan.sure_above = ((static_cast<uint32_t>(bin) + 1u) << kBinShift) - 1u;
-    plan.tie_low = static_cast<uint32_t>(bin) << kBinShift;
-  } else {
-    plan.bin = -1;
-    plan.above = total;
-    plan.need = 0;
-    plan.sure_above = 0u;
-    plan.tie_low = 1u;
+__device__ inline void StorePlan(const Plan& plan, State* st) {
+  st->sure_above = plan.sure_above;
+  st->tie_low = plan.tie_low;
+  st->bin_low = plan.bin_low;
+  st->above = plan.above;
+  st->need = plan.need;
+}
+
+#if defined(TF_TOPK_DEBUG_CHECKS)
+// Debug builds: the parallel crossing must equal the serial one.
+template <int kBins>
+__device__ void CheckCrossing(const uint32_t* hist, long long want, int bin,
+                              long long above, long long total, State* st) {
+  long long serial_above, serial_total;
+  const int serial_bin =
+      FindCrossingSerial(hist, kBins, want, &serial_above, &serial_total);
+  if (serial_bin != bin || serial_total != total ||
+      (bin >= 0 && serial_above != above)) {
+    st->error = kErrorPlanMismatch;
   }
-  return plan;
+}
+#endif
+
+// The smallest bits b in [low, high] with AboveGaussianThreshold(fit, b), as
+// GaussianTieLow's bisection finds it, searched 256 ways per round (one
+// candidate per thread): 2^20 candidates in 3 rounds instead of 20
+// sequential steps, each of two double-precision erfc. Called by every
+// thread of the block; the result is valid in every thread.
+__device__ uint32_t SearchGaussianThreshold(const GaussianFit& fit,
+                                            uint32_t low, uint32_t high) {
+  __shared__ int s_first;  // the first thread whose candidate satisfies
+  while (low < high) {     // block-uniform: every thread holds low and high
+    const uint32_t step = (high - low + kPlanThreads - 1) / kPlanThreads;
+    const uint32_t mine = low + threadIdx.x * step;  // candidate of this thread
+    // Candidates at or past `high` count as satisfying: high always does.
+    const bool above = mine >= high || AboveGaussianThreshold(fit, mine);
+    if (threadIdx.x == 0) s_first = kPlanThreads;
+    __syncthreads();
+    if (above) atomicMin(&s_first, static_cast<int>(threadIdx.x));
+    __syncthreads();
+    const int first = s_first;
+    __syncthreads();  // s_first is rewritten by the next round
+    if (first == 0) {
+      high = low;
+    } else {
+      const uint32_t hit = low + first * step;  // satisfies (or is >= high)
+      low = low + (first - 1) * step + 1u;      // the one before did not
+      if (hit < high) high = hit;
+    }
+  }
+  return low;
 }
 
 // Gaussian plan: the threshold bin from the histogram, then the tie threshold
-// from the normal fit (GaussianTieLow, shared with the CPU kernel).
+// from the normal fit (FitGaussian, shared with the CPU kernel).
 template <int kUnused = 0>
 __global__ void __launch_bounds__(kPlanThreads)
     PlanGaussianKernel(Scratch* s, long long k) {
   int bin;
   long long above, total;
   FindCrossing<kNumBins>(s->hist1, k, &bin, &above, &total);
-  if (threadIdx.x != 0) return;
   State& st = s->state;
-  Plan plan = PlanFromCrossing(bin, above, total, k);
-#if defined(TF_TOPK_DEBUG_CHECKS)
-  {
-    const Plan serial = PlanFromHistogram(s->hist1, k);
-    if (serial.bin != plan.bin || serial.above != plan.above ||
-        serial.need != plan.need || serial.sure_above != plan.sure_above ||
-        serial.tie_low != plan.tie_low) {
-      st.error = kErrorPlanMismatch;
-    }
-  }
-#endif
+  Plan plan = bin >= 0 ? PlanForBin(bin, above, k) : SelectAllPlan(total);
   Moments moments;
   moments.sum = st.sum;
   moments.sum_squares = st.sum_squares;
   moments.count = static_cast<long long>(st.count);
-  plan.tie_low = GaussianTieLow(plan, s->hist1, moments);
-  st.sure_above = plan.sure_above;
-  st.tie_low = plan.tie_low;
-  st.above = plan.above;
-  st.need = plan.need;
+  const GaussianFit fit = FitGaussian(plan, s->hist1, moments);
+  if (fit.refine) {  // block-uniform: every thread computed the same fit
+    plan.tie_low = SearchGaussianThreshold(fit, plan.tie_low, plan.sure_above);
+  }
+  if (threadIdx.x != 0) return;
+#if defined(TF_TOPK_DEBUG_CHECKS)
+  CheckCrossing<kNumBins>(s->hist1, k, bin, above, total, &st);
+  if (plan.tie_low != GaussianTieLow(plan.bin >= 0 ? PlanForBin(bin, above, k)
+                                                   : SelectAllPlan(total),
+                                     s->hist1, moments)) {
+    st.error = kErrorPlanMismatch;
+  }
+#endif
+  StorePlan(plan, &st);
 }
 
-// Exact plan after histogram level kLevel. Level 1 finds the bin of the k-th
-// largest (or sets done when fewer than k qualify); level 2 and 3 refine the
-// prefix inside it; level 3 leaves the exact bits T of the k-th largest and
-// the plan sure_above = tie_low = T, need = k - (count strictly above T).
+// Exact plan after histogram level kLevel (ExactLevelStep, topk_common.h):
+// level 1 finds the bin of the k-th largest (or that fewer than k qualify),
+// levels 2 and 3 refine the prefix inside it; level 3 leaves the exact bits T
+// of the k-th largest and the plan sure_above = tie_low = T.
 template <int kLevel>
 __global__ void __launch_bounds__(kPlanThreads)
     PlanExactKernel(Scratch* s, long long k) {
   State& st = s->state;
-  if (kLevel > 1 && st.done) return;  // block-uniform, before any barrier
-  const long long want = kLevel == 1 ? k : st.k_rem;
+  if (kLevel > 1 && st.exact.done) return;  // block-uniform, before any barrier
+  const long long want = kLevel == 1 ? k : st.exact.k_rem;
   int bin;
   long long above, total;
   FindCrossing<LevelInfo<kLevel>::kBins>(LevelHist<kLevel>(s), want, &bin,
                                          &above, &total);
   if (threadIdx.x != 0) return;
-  if (kLevel == 1) {
-    if (bin < 0) {  // fewer than k qualify: select them all
-      st.done = 1;
-      st.sure_above = 0u;
-      st.tie_low = 1u;  // empty tie range
-      st.above = total;
-      st.need = 0;
-      return;
-    }
-    st.prefix = static_cast<uint32_t>(bin) << kBinShift;
-    st.above = above;
-    st.k_rem = k - above;
-    return;
+#if defined(TF_TOPK_DEBUG_CHECKS)
+  CheckCrossing<LevelInfo<kLevel>::kBins>(LevelHist<kLevel>(s), want, bin,
+                                          above, total, &st);
+#endif
+  Plan plan;
+  if (ExactLevelStep(kLevel, bin, above, total, k, &st.exact, &plan)) {
+    StorePlan(plan, &st);
+    if (st.exact.error != 0) st.error = kErrorLevelNotFound;
   }
-  if (bin < 0) {
-    // Impossible (the previous level's bin holds at least k_rem entries).
-    // Select what is surely above and report.
-    st.error = kErrorLevelNotFound;
-    st.done = 1;
-    st.sure_above = st.prefix | ((1u << (kLevel == 2 ? kBinShift : kL2Shift)) - 1u);
-    st.tie_low = kInfBits;  // empty tie range
-    st.need = 0;
-    return;
-  }
-  if (kLevel == 2) {
-    st.prefix |= static_cast<uint32_t>(bin) << kL2Shift;
-    st.above += above;
-    st.k_rem -= above;
-    return;
-  }
-  const uint32_t t_bits = st.prefix | static_cast<uint32_t>(bin);
-  st.above += above;
-  st.need = st.k_rem - above;
-  st.sure_above = t_bits;
-  st.tie_low = t_bits;
 }
 
 // ---------------------------------------------------------------------------
-// Compaction: one pass writing the selected entries.
-//   bits > sure_above            -> slot sure_counter++ (fewer than k of them)
-//   bits in [tie_low, sure_above] -> c = tie_counter++, slot above + c, c < need
-// Slots come from warp-aggregated atomics (one atomicAdd per warp and kind).
+// Compaction: one pass writing the selected entries (Classify, topk_common.h).
+//   sure  bits > sure_above             -> slot sure_counter++ (< k of them)
+//   tie   bits in [tie_low, sure_above] -> c = tie_counter++, slot above + c
+//                                          while c < need
+//   fill  bits in [bin_low, tie_low)    -> c = fill_counter++, fill list[c]
+//                                          while c < need (gaussian only;
+//                                          FinishKernel places them)
+// Slots come from warp-aggregated atomics (one atomicAdd per warp and class).
 // Most warps see no candidate at all and skip with a single ballot.
+
+// One class's warp-aggregated slot claim: every lane with `mine` set gets a
+// distinct counter value, in lane order after the warp's first.
+__device__ __forceinline__ unsigned long long ClaimSlots(
+    unsigned long long* counter, unsigned mask, bool mine, unsigned lane,
+    unsigned long long* first_out) {
+  const int leader = __ffs(mask) - 1;
+  unsigned long long first = 0;
+  if (lane == static_cast<unsigned>(leader)) {
+    first = atomicAdd(counter, static_cast<unsigned long long>(__popc(mask)));
+  }
+  first = __shfl_sync(0xffffffffu, first, leader);
+  *first_out = first;
+  return first + __popc(mask & ((1u << lane) - 1u));
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kCompactBlocksPerSm)
     CompactKernel(const T* __restrict__ x, int64_t n, long long k, Scratch* s,
+                  int32_t* __restrict__ fill_list,
                   typename Traits<T>::Bits* __restrict__ values,
                   int32_t* __restrict__ indices) {
   using Bits = typename Traits<T>::Bits;
   State& st = s->state;
   const uint32_t sure_above = st.sure_above;
   const uint32_t tie_low = st.tie_low;
+  const uint32_t bin_low = st.bin_low;
   const long long above = st.above;
-  const long long need = st.need;
+  const unsigned long long need =
+      st.need > 0 ? static_cast<unsigned long long>(st.need) : 0ull;
   const unsigned lane = threadIdx.x & 31u;
-  const unsigned lanes_below = (1u << lane) - 1u;
-  // Warp-uniform: set once the tie counter passed `need`; later tie entries of
-  // this warp would get c >= need anyway, so skip their atomics.
-  bool ties_full = need <= 0;
+  // Warp-uniform: set once a counter passed `need`; later entries of that
+  // class in this warp would get c >= need anyway, so skip their atomics.
+  bool ties_full = need == 0;
+  bool fills_full = need == 0 || bin_low >= tie_low;
 
   auto fn = [&](int64_t index, Bits raw, bool valid) {
     const uint32_t bits = MagnitudeBits(Traits<T>::ToFloat(raw));
-    const bool q = valid && Qualifies(bits);
-    const bool sure = q && bits > sure_above;
-    const bool tie = q && !sure && !ties_full && bits >= tie_low;
-    if (__ballot_sync(0xffffffffu, sure || tie) == 0u) return;  // common case
+    const EntryClass c = valid ? Classify(bits, sure_above, tie_low, bin_low)
+                               : EntryClass::kSkip;
+    const bool sure = c == EntryClass::kSure;
+    const bool tie = c == EntryClass::kTie && !ties_full;
+    const bool fill = c == EntryClass::kFill && !fills_full;
+    if (__ballot_sync(0xffffffffu, sure || tie || fill) == 0u) return;
 
+    unsigned long long first;
     const unsigned sure_mask = __ballot_sync(0xffffffffu, sure);
     if (sure_mask != 0u) {
-      const int leader = __ffs(sure_mask) - 1;
-      unsigned long long first = 0;
-      if (lane == static_cast<unsigned>(leader)) {
-        first = atomicAdd(&st.sure_counter,
-                          static_cast<unsigned long long>(__popc(sure_mask)));
-      }
-      first = __shfl_sync(0xffffffffu, first, leader);
+      const unsigned long long slot =
+          ClaimSlots(&st.sure_counter, sure_mask, sure, lane, &first);
       if (sure) {
-        const unsigned long long slot = first + __popc(sure_mask & lanes_below);
         if (slot < static_cast<unsigned long long>(k)) {
           values[slot] = raw;
           indices[slot] = static_cast<int32_t>(index);
@@ -523,30 +553,61 @@ __global__ void __launch_bounds__(kThreads, kCompactBlocksPerSm)
         }
       }
     }
-
     const unsigned tie_mask = __ballot_sync(0xffffffffu, tie);
     if (tie_mask != 0u) {
-      const int leader = __ffs(tie_mask) - 1;
-      const unsigned long long taken = __popc(tie_mask);
-      unsigned long long first = 0;
-      if (lane == static_cast<unsigned>(leader)) {
-        first = atomicAdd(&st.tie_counter, taken);
-      }
-      first = __shfl_sync(0xffffffffu, first, leader);
-      if (tie) {
-        const unsigned long long c = first + __popc(tie_mask & lanes_below);
-        if (c < static_cast<unsigned long long>(need)) {
-          const unsigned long long slot = static_cast<unsigned long long>(above) + c;
-          if (slot < static_cast<unsigned long long>(k)) {
-            values[slot] = raw;
-            indices[slot] = static_cast<int32_t>(index);
-          }
+      const unsigned long long t =
+          ClaimSlots(&st.tie_counter, tie_mask, tie, lane, &first);
+      if (tie && t < need) {
+        const unsigned long long slot = static_cast<unsigned long long>(above) + t;
+        if (slot < static_cast<unsigned long long>(k)) {
+          values[slot] = raw;
+          indices[slot] = static_cast<int32_t>(index);
+        } else {
+          st.error = kErrorSlotOverflow;
         }
       }
-      if (first + taken >= static_cast<unsigned long long>(need)) ties_full = true;
+      if (first + __popc(tie_mask) >= need) ties_full = true;
+    }
+    const unsigned fill_mask = __ballot_sync(0xffffffffu, fill);
+    if (fill_mask != 0u) {
+      const unsigned long long f =
+          ClaimSlots(&st.fill_counter, fill_mask, fill, lane, &first);
+      if (fill && f < need) fill_list[f] = static_cast<int32_t>(index);
+      if (first + __popc(fill_mask) >= need) fills_full = true;
     }
   };
   ForEachEntry(x, n, fn);
+}
+
+// After the compaction: the slots the tie range left empty,
+// [above + ties taken, k), take entries from the fill list in order (gaussian
+// only: the exact method's tie range always fills its `need` slots), and the
+// slots after those (fewer than k qualify) get value 0 and index 0.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    FinishKernel(const T* __restrict__ x, long long k, const Scratch* s,
+                 const int32_t* __restrict__ fill_list,
+                 typename Traits<T>::Bits* __restrict__ values,
+                 int32_t* __restrict__ indices) {
+  using Bits = typename Traits<T>::Bits;
+  const State& st = s->state;
+  const long long need = st.need > 0 ? st.need : 0;
+  const long long fills = FillCount(need, st.tie_counter, st.fill_counter);
+  const long long first_fill = st.above + TiesTaken(need, st.tie_counter);
+  const long long first_spare = first_fill + fills;
+  const Bits* xb = reinterpret_cast<const Bits*>(x);
+  for (long long slot = first_fill + blockIdx.x * static_cast<long long>(blockDim.x) +
+                        threadIdx.x;
+       slot < k; slot += static_cast<long long>(gridDim.x) * blockDim.x) {
+    if (slot < first_spare) {
+      const int32_t index = fill_list[slot - first_fill];
+      values[slot] = xb[index];
+      indices[slot] = index;
+    } else {
+      values[slot] = static_cast<Bits>(0);
+      indices[slot] = 0;
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -573,9 +634,9 @@ inline int StreamingBlocks(int64_t n, int vec, int blocks_per_sm) {
 
 // Selects k entries of x[0:n] (see the op's documentation): writes values[0:k]
 // and indices[0:k]; spare slots hold 0. Everything is enqueued on `stream`;
-// `scratch` (ScratchBytes(), device memory, 8-byte aligned) must not be used
-// by anything else until the stream has passed this work. Returns the first
-// error seen while enqueuing.
+// `scratch` (ScratchBytes(k) bytes of device memory, 8-byte aligned) must not
+// be used by anything else until the stream has passed this work. Returns the
+// first error seen while enqueuing.
 template <typename T>
 cudaError_t LaunchApproxTopK(const T* x, int64_t n, int64_t k, Method method,
                              T* values, int32_t* indices, void* scratch,
@@ -589,14 +650,11 @@ cudaError_t LaunchApproxTopK(const T* x, int64_t n, int64_t k, Method method,
   // Clear a stale error left by an earlier failed call of this runtime (this
   // library's own: cudart is linked statically), so the result below is ours.
   (void)cudaGetLastError();
-  cudaError_t err = cudaMemsetAsync(scratch, 0, ScratchBytes(), stream);
-  if (err == cudaSuccess) {
-    err = cudaMemsetAsync(values, 0, static_cast<size_t>(k) * sizeof(T), stream);
-  }
-  if (err == cudaSuccess) {
-    err = cudaMemsetAsync(indices, 0, static_cast<size_t>(k) * sizeof(int32_t),
-                          stream);
-  }
+  // Neither the fill list nor the outputs need clearing: FinishKernel reads
+  // only fill entries that were written and writes every slot the compaction
+  // left.
+  const cudaError_t err =
+      cudaMemsetAsync(scratch, 0, ScratchHeaderBytes(), stream);
   if (err != cudaSuccess) return err;
 
   Scratch* s = static_cast<Scratch*>(scratch);
@@ -616,8 +674,15 @@ cudaError_t LaunchApproxTopK(const T* x, int64_t n, int64_t k, Method method,
     HistogramKernel<T, 3, false><<<blocks, kThreads, 0, stream>>>(x, n, s);
     PlanExactKernel<3><<<1, kPlanThreads, 0, stream>>>(s, kk);
   }
+  using Bits = typename Traits<T>::Bits;
+  int32_t* fill_list = FillList(scratch);
   CompactKernel<T><<<compact_blocks, kThreads, 0, stream>>>(
-      x, n, kk, s, reinterpret_cast<typename Traits<T>::Bits*>(values), indices);
+      x, n, kk, s, fill_list, reinterpret_cast<Bits*>(values), indices);
+  // At most k slots to finish, usually none or a few: a small grid.
+  const int64_t wanted = (k + kThreads - 1) / kThreads;
+  const int finish_blocks = static_cast<int>(wanted < 256 ? wanted : 256);
+  FinishKernel<T><<<finish_blocks, kThreads, 0, stream>>>(
+      x, kk, s, fill_list, reinterpret_cast<Bits*>(values), indices);
   return cudaGetLastError();
 }
 

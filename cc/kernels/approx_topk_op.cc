@@ -241,33 +241,26 @@ bool PrefilterBlock<float>(const float* input, int64_t begin, int64_t end,
   return static_cast<int64_t>(candidates->size()) <= limit;
 }
 
-// Lower edge (magnitude bits) of the threshold bin; the whole bin is
-// collected as tie candidates, whatever the method's threshold inside it.
-inline uint32_t BinLow(const Plan& plan) {
-  return plan.bin < 0 ? kInfBits : static_cast<uint32_t>(plan.bin) << kBinShift;
-}
-
 struct TieCandidate {
   double magnitude;
   int32_t index;
 };
 
 // Pass 2 over input[begin, end): writes sure entries from `slot` on and
-// collects tie-range entries.
+// collects the threshold bin's entries (tie or fill).
 template <typename T>
 void CompactBlock(const T* input, int64_t begin, int64_t end,
                   const Plan& plan, int64_t slot, T* values, int32_t* indices,
                   std::vector<TieCandidate>* ties) {
   for (int64_t i = begin; i < end; ++i) {
     const T x = input[i];
-    const uint32_t key = KeyOf(x);
-    if (key > plan.sure_above) {
-      if (key < kInfBits) {
-        values[slot] = x;
-        indices[slot] = static_cast<int32_t>(i);
-        ++slot;
-      }
-    } else if (key >= BinLow(plan) && key != 0u) {
+    const EntryClass c =
+        Classify(KeyOf(x), plan.sure_above, plan.tie_low, plan.bin_low);
+    if (c == EntryClass::kSure) {
+      values[slot] = x;
+      indices[slot] = static_cast<int32_t>(i);
+      ++slot;
+    } else if (c != EntryClass::kSkip) {  // the threshold bin: tie or fill
       ties->push_back(TieCandidate{MagnitudeOf(x), static_cast<int32_t>(i)});
     }
   }
@@ -317,7 +310,10 @@ void FinishTies(Method method, const Plan& plan, const T* input,
 inline Plan MakePlan(const uint32_t* hist, int64_t k, Method method,
                      const Moments& moments, uint32_t floor_key) {
   Plan plan = PlanFromHistogram(hist, k);
-  if (plan.bin >= 0 && plan.tie_low < floor_key) plan.tie_low = floor_key;
+  if (plan.bin >= 0 && plan.bin_low < floor_key) {
+    plan.bin_low = floor_key;
+    plan.tie_low = floor_key;
+  }
   if (method == Method::kGaussian) {
     plan.tie_low = GaussianTieLow(plan, hist, moments);
   }
@@ -379,12 +375,13 @@ void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
         std::vector<TieCandidate> ties;
         for (const auto& candidates : block_candidates) {
           for (const Candidate<T>& c : candidates) {
-            const uint32_t key = KeyOf(c.value);
-            if (key > plan.sure_above) {
+            const EntryClass c_class = Classify(
+                KeyOf(c.value), plan.sure_above, plan.tie_low, plan.bin_low);
+            if (c_class == EntryClass::kSure) {
               values[slot] = c.value;
               indices[slot] = c.index;
               ++slot;
-            } else if (key >= BinLow(plan)) {
+            } else if (c_class != EntryClass::kSkip) {
               ties.push_back(TieCandidate{MagnitudeOf(c.value), c.index});
             }
           }

@@ -5,6 +5,10 @@
 // No host synchronisation: LaunchApproxTopK only enqueues work; the outputs
 // (allocated by the OpKernel) and the temp scratch are stream-ordered by TF's
 // allocator, so freeing the scratch when Compute returns is safe.
+//
+// The CUDA selection is not deterministic (slots come from atomic counters):
+// under tf.config.experimental.enable_op_determinism() the op refuses to run
+// on the GPU, as TensorFlow's own nondeterministic GPU kernels do.
 #if GOOGLE_CUDA
 
 #define EIGEN_USE_GPU
@@ -15,6 +19,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "approx_topk.cuh"
@@ -22,10 +28,34 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/framework/types.h"
+#include "tensorflow/core/util/determinism.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
 namespace tf_topk {
 namespace {
+
+// What to do about the launch failures a user can fix.
+std::string LaunchFailureHint(cudaError_t err) {
+  if (err == cudaErrorNoKernelImageForDevice ||
+      err == cudaErrorUnsupportedPtxVersion) {
+    int device = 0, major = 0, minor = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+    return absl::StrCat(
+        ". The op library has no kernel for this GPU (compute capability ",
+        major, ".", minor, "): rebuild it with TF_TOPK_CUDA_ARCHS=", major,
+        minor, " (and an nvcc that supports it) and: pip install "
+        "--no-build-isolation -e . (or: python cc/build_ops.py)");
+  }
+  if (err == cudaErrorInsufficientDriver) {
+    return ". The NVIDIA driver is older than the CUDA runtime the op library "
+           "was built with (CUDA 13 needs driver 580 or newer): update the "
+           "driver, or rebuild the library with the CUDA toolkit the driver "
+           "supports";
+  }
+  return "";
+}
 
 // T is the TensorFlow element type, CudaT the CUDA type of the same bits.
 template <typename T, typename CudaT>
@@ -33,7 +63,15 @@ void LaunchOnOpStream(::tensorflow::OpKernelContext* ctx, const T* input,
                       int64_t n, int64_t k, Method method, T* values,
                       int32_t* indices) {
   static_assert(sizeof(T) == sizeof(CudaT), "element types must match");
-  const int64_t bytes = static_cast<int64_t>(cuda::ScratchBytes());
+  OP_REQUIRES(
+      ctx, !::tensorflow::OpDeterminismRequired(),
+      absl::UnimplementedError(
+          "ApproxTopK has no deterministic GPU kernel (its output order and "
+          "the choice among tied entries vary from run to run), and op "
+          "determinism is enabled (tf.config.experimental."
+          "enable_op_determinism). Place the op on the CPU, whose kernel is "
+          "deterministic: with tf.device('/CPU:0'): ..."));
+  const int64_t bytes = static_cast<int64_t>(cuda::ScratchBytes(k));
   ::tensorflow::Tensor scratch;
   OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
                                          ::tensorflow::TensorShape({bytes}),
@@ -47,7 +85,8 @@ void LaunchOnOpStream(::tensorflow::OpKernelContext* ctx, const T* input,
   OP_REQUIRES(ctx, err == cudaSuccess,
               absl::InternalError(absl::StrCat(
                   "ApproxTopK: launching the CUDA kernels failed: ",
-                  cudaGetErrorName(err), ": ", cudaGetErrorString(err))));
+                  cudaGetErrorName(err), ": ", cudaGetErrorString(err),
+                  LaunchFailureHint(err))));
 }
 
 }  // namespace
