@@ -42,6 +42,7 @@ the time of one read of the input (half the copy, which reads and writes).
 """
 
 import argparse
+import collections
 import ctypes
 import json
 import os
@@ -61,7 +62,8 @@ GAUSSIAN = 0  # tf_topk::Method::kGaussian
 EXACT = 1     # tf_topk::Method::kExact
 METHOD_NAMES = {GAUSSIAN: "gaussian", EXACT: "exact"}
 STATE_FIELDS = ("sure_above", "tie_low", "bin_low", "above", "need", "done", "error", "count",
-                "sure_counter", "tie_counter", "fill_counter", "prefix", "qualifying")
+                "sure_counter", "tie_counter", "fill_counter", "prefix", "planned_from",
+                "prefilter_key", "candidate_count", "use_candidates", "fallback")
 BIN_SHIFT = 20  # kBinShift in topk_common.h: a bin is the top 11 magnitude bits
 DEVICE_ERRORS = {1: "exact radix level lost the rank", 2: "sure slot >= k",
                  3: "parallel plan != serial PlanFromHistogram"}
@@ -109,7 +111,9 @@ class Harness:
     def __init__(self, path):
         lib = ctypes.CDLL(path)  # RTLD_LOCAL: two builds can live side by side
         lib.tf_topk_scratch_bytes.restype = ctypes.c_size_t
-        lib.tf_topk_scratch_bytes.argtypes = [ctypes.c_longlong]
+        lib.tf_topk_scratch_bytes.argtypes = [ctypes.c_longlong, ctypes.c_longlong]
+        lib.tf_topk_sample_index.restype = ctypes.c_longlong
+        lib.tf_topk_sample_index.argtypes = [ctypes.c_longlong, ctypes.c_longlong]
         lib.tf_topk_debug_checks.restype = ctypes.c_int
         lib.tf_topk_debug_checks.argtypes = []
         select_args = [ctypes.c_void_p, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int,
@@ -128,13 +132,16 @@ class Harness:
         self.lib = lib
         self.debug_checks = bool(lib.tf_topk_debug_checks())
 
-    def scratch_bytes(self, k):
-        return int(self.lib.tf_topk_scratch_bytes(k))
+    def scratch_bytes(self, n, k):
+        return int(self.lib.tf_topk_scratch_bytes(n, k))
 
-    def scratch(self, k):
+    def scratch(self, n, k):
         import torch
 
-        return torch.empty(self.scratch_bytes(k), dtype=torch.uint8, device="cuda")
+        return torch.empty(self.scratch_bytes(n, k), dtype=torch.uint8, device="cuda")
+
+    def sample_indices(self, n):
+        return [int(self.lib.tf_topk_sample_index(s, n)) for s in range(32768)]
 
     def error_string(self, code):
         return self.lib.tf_topk_error_string(code).decode()
@@ -271,8 +278,8 @@ def check_one(h, x, k, method, ref_mag, n_qual, scratch, stream):
     problems = []
     if state["error"] != 0:
         problems.append(f"device error {state['error']}: {DEVICE_ERRORS.get(state['error'], '?')}")
-    if state["qualifying"] != n_qual:
-        problems.append(f"histogram counted {state['qualifying']} qualifying, torch {n_qual}")
+    if not state["use_candidates"] and state["planned_from"] != n_qual:
+        problems.append(f"histogram counted {state['planned_from']} qualifying, torch {n_qual}")
     if state["sure_counter"] != state["above"]:
         problems.append(f"sure_counter {state['sure_counter']} != above {state['above']}")
 
@@ -295,7 +302,9 @@ def check_one(h, x, k, method, ref_mag, n_qual, scratch, stream):
         if not bool(torch.isfinite(sel_vals).all()) or bool((sel_vals == 0).any()):
             problems.append("selected a non-qualifying entry")
     expected = min(k, n_qual)
-    info = {"count": count, "expected_count": expected}
+    info = {"count": count, "expected_count": expected,
+            "path": ("one-pass" if state["use_candidates"] else
+                     "fallback" if state["fallback"] else "two-pass")}
     if count != expected:
         problems.append(f"count {count} != min(k, qualifying) {expected}")
 
@@ -328,10 +337,12 @@ def correctness(h, quick, sanitize=False):
     import torch
 
     special_kinds = ["specials", "zeros", "neg_zeros", "ties", "constant", "sparse", "shifted",
-                     "tiny", "student_t", "top_bin", "quarters"]
+                     "tiny", "student_t", "top_bin", "quarters", "sampled_spikes"]
     if sanitize:  # the sanitizers run each kernel 10-100x slower
-        sizes, special_sizes = [1, 7, 1000, 70_003], (1000, 70_003)
-        special_kinds = ["specials", "constant", "ties", "sparse", "top_bin", "quarters"]
+        # 300_007 >= kMinPrefilterSize: the one-pass kernels and the fallback.
+        sizes, special_sizes = [1, 7, 1000, 300_007], (1000, 300_007)
+        special_kinds = ["specials", "constant", "ties", "sparse", "top_bin", "quarters",
+                         "sampled_spikes"]
     else:
         sizes = [1, 7, 1000, 2 ** 20 + 3, 25_000_000] + ([] if quick else [100_000_000])
         special_sizes = (7, 1000, 2 ** 20 + 3)
@@ -355,10 +366,14 @@ def correctness(h, quick, sanitize=False):
     with torch.cuda.stream(stream):
         for kind, n, dtype, offset in cases:
             seed += 1
-            x = make_input(kind, n, dtype, seed, offset)
+            x = make_input("normal" if kind == "sampled_spikes" else kind, n, dtype, seed, offset)
+            if kind == "sampled_spikes":  # large exactly where the prefilter's sample looks
+                if n < 8 * 32768:
+                    continue
+                x[torch.tensor(h.sample_indices(n), device="cuda")] = 100.0
             for k in k_values(n):
                 ref_mag, n_qual = reference(x, k)
-                scratch = h.scratch(k)
+                scratch = h.scratch(n, k)
                 for method in (EXACT, GAUSSIAN):
                     label = (f"{METHOD_NAMES[method]:8s} {kind:9s} n={n:<10d} k={k:<10d} "
                              f"{str(dtype).replace('torch.', ''):8s} offset={offset}")
@@ -379,6 +394,8 @@ def correctness(h, quick, sanitize=False):
             del x
     torch.cuda.empty_cache()
     log(f"correctness: {len(results)} runs, {len(failures)} failures")
+    paths = collections.Counter(r.get("path", "?") for r in results)
+    log("paths: " + ", ".join(f"{path} {count}" for path, count in sorted(paths.items())))
     gauss = [r for r in results if r["method"] == "gaussian" and "recall" in r
              and r["kind"] in ("normal", "student_t", "shifted") and r["n"] >= 2 ** 20]
     if gauss:
@@ -400,7 +417,7 @@ def repeatability(h, n, runs=5):
         x = make_input("normal", n, torch.float32, seed=4242)
         for density in (0.001, 0.01):
             k = max(1, round(density * n))
-            scratch = h.scratch(k)
+            scratch = h.scratch(n, k)
             for method in (EXACT, GAUSSIAN):
                 sets = set()
                 for _ in range(runs):
@@ -465,7 +482,7 @@ def timing(h, quick):
                 with torch.cuda.stream(stream):
                     values = torch.empty(k, dtype=x.dtype, device="cuda")
                     indices = torch.empty(k, dtype=torch.int32, device="cuda")
-                    scratch = h.scratch(k)
+                    scratch = h.scratch(n, k)
                 stream.synchronize()
                 handle = stream.cuda_stream
                 row = {"n": n, "k": k, "density": density, "kind": kind, "dtype": "float32",
@@ -510,7 +527,7 @@ def profile_once(h, n=25_000_000, density=0.001):
     with torch.cuda.stream(stream):
         x = make_input("normal", n, torch.float32, seed=7)
         k = round(density * n)
-        scratch = h.scratch(k)
+        scratch = h.scratch(n, k)
         for method in (GAUSSIAN, EXACT, GAUSSIAN, EXACT):
             run_select(h, x, k, method, scratch, stream)
     log(f"profiled n={n} k={k}")
@@ -554,7 +571,7 @@ def main(argv=None):
             for debug in (False, True):
                 name = "libtf_topk_harness_debug.so" if debug else "libtf_topk_harness.so"
                 h = Harness(os.path.join(build_dir, name))  # loads without a GPU
-                log(f"  {name}: scratch for k = 1000: {h.scratch_bytes(1000)} bytes, debug checks {h.debug_checks}")
+                log(f"  {name}: scratch for n = 25M, k = 25K: {h.scratch_bytes(25_000_000, 25_000)} bytes, debug checks {h.debug_checks}")
             log("compile-only: ok")
             return 0
 

@@ -38,22 +38,27 @@ def emulation(tmp_path_factory):
     fn = lib.tf_topk_emulate_gpu_select
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong,
-                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    return fn
+                   ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    lib.tf_topk_sample_index.restype = ctypes.c_longlong
+    lib.tf_topk_sample_index.argtypes = [ctypes.c_longlong, ctypes.c_longlong]
+    return lib
 
 
-def select(emulation, x, k, method):
-    """(values as x's dtype, indices, state dict) from the emulation."""
+def select(emulation, x, k, method, capacity=-1):
+    """(values as x's dtype, indices, state dict) from the emulation;
+    capacity -1: the kernels' candidate capacity, 0: no prefilter."""
     x = np.ascontiguousarray(x)
     code = next(c for t, c in DTYPES.values() if x.dtype == np.dtype(t))
     values = np.zeros(k, np.uint32)
     indices = np.full(k, -7, np.int32)
-    state = np.zeros(10, np.int64)
-    rc = emulation(x.ctypes.data, code, x.size, k, METHODS[method], values.ctypes.data,
-                   indices.ctypes.data, state.ctypes.data)
+    state = np.zeros(14, np.int64)
+    rc = emulation.tf_topk_emulate_gpu_select(
+        x.ctypes.data, code, x.size, k, METHODS[method], capacity, values.ctypes.data,
+        indices.ctypes.data, state.ctypes.data)
     assert rc == 0
     names = ("above", "need", "sure", "ties", "fills", "filled", "error", "bin", "tie_low",
-             "sure_above")
+             "sure_above", "prefilter_key", "candidates", "use_candidates", "fallback")
     raw = values.astype(np.uint32 if x.itemsize == 4 else np.uint16)
     return raw.view(x.dtype), indices, dict(zip(names, state.tolist()))
 
@@ -170,9 +175,82 @@ def test_gaussian_threshold_in_the_top_bin_is_finite(emulation):
     assert state["ties"] >= 1, state  # the fit's threshold leaves entries above it
 
 
+# n >= kMinPrefilterSize (262144) and k <= about n/16: the one-pass path.
+PREFILTER_N = 300_007
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", ["normal", "student_t", "specials", "quarters", "top_bin", "tiny"])
+def test_prefilter_path_selects_as_promised(emulation, kind, dtype, method):
+    x = make(kind, PREFILTER_N, DTYPES[dtype][0], seed=11)
+    for k in (1, 300, 3000):
+        values, indices, state = select(emulation, x, k, method)
+        check(x, k, method, values, indices, state)
+        if kind in ("normal", "student_t", "specials"):
+            # The sample's threshold held: the plan came from the candidates.
+            assert state["use_candidates"] == 1 and state["fallback"] == 0, state
+            assert k <= state["candidates"] < PREFILTER_N // 8, state
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_prefilter_agrees_with_the_two_pass_path(emulation, method):
+    """Exact selects the same magnitudes either way; gaussian keeps every
+    entry above the threshold bin either way (its fit uses the sample's
+    moments on the one-pass path, so its threshold inside the bin may move)."""
+    x = make("normal", PREFILTER_N, np.float32, seed=5)
+    k = 1000
+    one_values, one_indices, one = select(emulation, x, k, method)
+    two_values, two_indices, two = select(emulation, x, k, method, capacity=0)
+    assert one["use_candidates"] == 1 and two["use_candidates"] == 0
+    assert (one["bin"], one["above"]) == (two["bin"], two["above"])
+    if method == "exact":
+        np.testing.assert_array_equal(np.sort(np.abs(one_values)), np.sort(np.abs(two_values)))
+    else:
+        sure = np.abs(x).view(np.uint32) > one["sure_above"]
+        assert set(np.flatnonzero(sure)) <= set(one_indices) & set(two_indices)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_too_many_candidates_fall_back_to_two_passes(emulation, method):
+    x = make("normal", PREFILTER_N, np.float32, seed=6)
+    k = 200
+    values, indices, state = select(emulation, x, k, method, capacity=k + 10)
+    assert state["candidates"] > k + 10 and state["fallback"] == 1
+    assert state["use_candidates"] == 0
+    check(x, k, method, values, indices, state)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_a_misleading_sample_falls_back_to_two_passes(emulation, method):
+    """Large values exactly where the sample looks and nowhere else: the
+    threshold admits only the sampled entries, fewer than k."""
+    n, k = 4 * 2 ** 20, 40_000
+    x = make("normal", n, np.float32, seed=8)
+    sampled = [emulation.tf_topk_sample_index(s, n) for s in range(32768)]
+    x[sampled] = 100.0
+    values, indices, state = select(emulation, x, k, method)
+    assert state["prefilter_key"] != 0 and state["candidates"] == len(set(sampled)) < k
+    assert state["fallback"] == 1 and state["use_candidates"] == 0
+    check(x, k, method, values, indices, state)
+
+
+def test_a_sample_with_too_few_qualifying_entries_falls_back(emulation):
+    """Mostly zeros: the sample holds fewer qualifying entries than the rank
+    it needs, so there is no threshold, the prefilter's pass collects
+    nothing and the fallback pass counts all of x."""
+    x = make("sparse", PREFILTER_N, np.float32, seed=9)
+    values, indices, state = select(emulation, x, 2000, "gaussian")
+    assert state["prefilter_key"] == 0 and state["candidates"] == 0
+    assert state["use_candidates"] == 0 and state["fallback"] == 1
+    check(x, 2000, "gaussian", values, indices, state)
+
+
 def test_bad_arguments_are_refused(emulation):
     x = np.ones(4, np.float32)
-    out = np.zeros(8, np.int64)
-    for n, k, method in ((4, 0, 0), (4, 5, 0), (0, 1, 0), (4, 1, 2)):
-        assert emulation(x.ctypes.data, 0, n, k, method, out.ctypes.data, out.ctypes.data,
-                         out.ctypes.data) == -1
+    out = np.zeros(16, np.int64)
+    for n, k, method, capacity in ((4, 0, 0, -1), (4, 5, 0, -1), (0, 1, 0, -1), (4, 1, 2, -1),
+                                   (4, 1, 0, -2)):
+        assert emulation.tf_topk_emulate_gpu_select(
+            x.ctypes.data, 0, n, k, method, capacity, out.ctypes.data, out.ctypes.data,
+            out.ctypes.data) == -1

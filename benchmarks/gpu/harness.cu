@@ -34,8 +34,8 @@ int Select(const void* x, long long n, long long k, int method, void* values,
 
 extern "C" {
 
-size_t tf_topk_scratch_bytes(long long k) {
-  return tf_topk::cuda::ScratchBytes(static_cast<int64_t>(k));
+size_t tf_topk_scratch_bytes(long long n, long long k) {
+  return tf_topk::cuda::ScratchBytes(static_cast<int64_t>(n), static_cast<int64_t>(k));
 }
 
 // 1 when built with -DTF_TOPK_DEBUG_CHECKS (device-side plan cross-checks).
@@ -66,10 +66,17 @@ int tf_topk_select_bf16(const void* x, long long n, long long k, int method,
                                stream);
 }
 
+// SampleIndex: where the sample of the prefilter looks.
+long long tf_topk_sample_index(long long s, long long n) {
+  return tf_topk::SampleIndex(s, n);
+}
+
 // Copies the device-side state left by the last select on `scratch` into
-// out[0:13] (waits for `stream`): sure_above, tie_low, bin_low, above, need,
-// done, error, count (qualifying, gaussian only), sure_counter, tie_counter,
-// fill_counter, prefix, qualifying (entries in hist1).
+// out[0:17] (waits for `stream`): sure_above, tie_low, bin_low, above, need,
+// done, error, count (qualifying, gaussian two-pass only), sure_counter,
+// tie_counter, fill_counter, prefix, hist1 total (the entries the plan was
+// made from: candidates or all qualifying), prefilter_key, candidate_count,
+// use_candidates, fallback.
 int tf_topk_read_state(const void* scratch, long long* out, void* stream) {
   using tf_topk::cuda::Scratch;
   Scratch* host = new Scratch;
@@ -86,7 +93,9 @@ int tf_topk_read_state(const void* scratch, long long* out, void* stream) {
         st.exact.done, st.error, static_cast<long long>(st.count),
         static_cast<long long>(st.sure_counter),
         static_cast<long long>(st.tie_counter),
-        static_cast<long long>(st.fill_counter), st.exact.prefix, qualifying};
+        static_cast<long long>(st.fill_counter), st.exact.prefix, qualifying,
+        st.prefilter_key, static_cast<long long>(st.candidate_count),
+        st.use_candidates, st.fallback};
     for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); ++i) out[i] = fields[i];
   }
   delete host;

@@ -105,13 +105,6 @@ Moments HistogramOfBlock(const T* input, int64_t begin, int64_t end,
   return moments;
 }
 
-// The prefilter threshold comes from a sample of this many entries.
-constexpr int64_t kSampleSize = 32768;
-// Inputs smaller than this skip the prefilter: two passes over a small
-// input cost less than the sample's scattered reads.
-constexpr int64_t kMinPrefilterSize = 8 * kSampleSize;
-// A block gives up on the prefilter beyond this fraction of its entries.
-constexpr int64_t kMaxCandidateFraction = 8;
 // Entries the generic (non-float32) prefilter checks per early-out test.
 constexpr int kLanes = 16;
 
@@ -122,22 +115,15 @@ typedef int32_t Int4 __attribute__((vector_size(16)));
 struct Sample {
   std::vector<double> magnitudes;  // of the qualifying sampled entries
   Moments moments;                 // of the qualifying sampled entries
-  int64_t size;                    // entries sampled, qualifying or not
 };
 
-// A deterministic sample: one entry from each of kSampleSize equal strides,
-// at a pseudo-random offset inside the stride (so periodic structure in the
-// tensor, such as rows of a matrix, does not alias with the sample).
+// The deterministic sample (SampleIndex, shared with the GPU).
 template <typename T>
 Sample SampleOf(const T* input, int64_t n) {
-  Sample sample{{}, {0.0, 0.0, 0}, kSampleSize};
+  Sample sample{{}, {0.0, 0.0, 0}};
   sample.magnitudes.reserve(kSampleSize);
-  const int64_t stride = n / kSampleSize;
-  uint64_t state = 0x9E3779B97F4A7C15ull;
   for (int64_t s = 0; s < kSampleSize; ++s) {
-    state = state * 6364136223846793005ull + 1442695040888963407ull;
-    const int64_t index = s * stride + static_cast<int64_t>((state >> 33) % stride);
-    const T x = input[index];
+    const T x = input[SampleIndex(s, n)];
     if (!Qualifies(KeyOf(x))) continue;
     const double v = static_cast<double>(x);
     sample.magnitudes.push_back(std::fabs(v));
@@ -148,20 +134,12 @@ Sample SampleOf(const T* input, int64_t n) {
   return sample;
 }
 
-// The prefilter threshold (magnitude bits): judging from the sample,
-// comfortably more than k of the n entries lie at or above it. The margin
-// (twice the expected count plus three standard deviations of the sample
-// count) makes "fewer than k candidates" rare; then the fallback runs.
-// Returns 0 when no useful prefilter exists.
+// The prefilter threshold (magnitude bits): the sampled magnitude of rank
+// PrefilterRank. Returns 0 when no useful prefilter exists.
 inline uint32_t PrefilterKey(Sample* sample, int64_t n, int64_t k) {
-  const double expected = static_cast<double>(sample->size) * k / n;
-  const int64_t rank = static_cast<int64_t>(
-      std::ceil(2.0 * expected + 3.0 * std::sqrt(expected) + 8.0));
+  const int64_t rank = PrefilterRank(n, k);
   std::vector<double>& m = sample->magnitudes;
-  if (rank >= static_cast<int64_t>(m.size()) ||
-      rank * kMaxCandidateFraction > sample->size) {
-    return 0u;
-  }
+  if (rank < 0 || rank >= static_cast<int64_t>(m.size())) return 0u;
   std::nth_element(m.begin(), m.begin() + rank, m.end(),
                    [](double a, double b) { return a > b; });
   const uint32_t key = MagnitudeBits(static_cast<float>(m[rank]));
@@ -347,9 +325,9 @@ void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
 
   // The sample gives the prefilter threshold and, for the gaussian method,
   // the moments of the normal fit.
-  Sample sample{{}, {0.0, 0.0, 0}, 0};
+  Sample sample{{}, {0.0, 0.0, 0}};
   uint32_t low_key = 0u;
-  if (n >= kMinPrefilterSize) {
+  if (PrefilterRank(n, k) >= 0) {
     sample = SampleOf(input, n);
     low_key = PrefilterKey(&sample, n, k);
   }

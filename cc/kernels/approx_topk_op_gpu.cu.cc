@@ -71,7 +71,7 @@ void LaunchOnOpStream(::tensorflow::OpKernelContext* ctx, const T* input,
           "determinism is enabled (tf.config.experimental."
           "enable_op_determinism). Place the op on the CPU, whose kernel is "
           "deterministic: with tf.device('/CPU:0'): ..."));
-  const int64_t bytes = static_cast<int64_t>(cuda::ScratchBytes(k));
+  const int64_t bytes = static_cast<int64_t>(cuda::ScratchBytes(n, k));
   ::tensorflow::Tensor scratch;
   OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
                                          ::tensorflow::TensorShape({bytes}),

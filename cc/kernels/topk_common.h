@@ -267,6 +267,58 @@ TF_TOPK_HD inline double NormalTwoSidedTail(double t, double mean,
   return 0.5 * erfc((t - mean) * inv) + 0.5 * erfc((t + mean) * inv);
 }
 
+// ---------------------------------------------------------------------------
+// The sampled prefilter (both devices): a deterministic sample of the input
+// gives a threshold above which comfortably more than k entries should lie;
+// one pass then collects only the entries at or above it (the candidates),
+// and the plan is made from the candidates alone, as a histogram of the whole
+// input would make it (every bin at or above the threshold's is complete).
+// Too few candidates (the sample misled) or too many: the two-pass path runs.
+
+constexpr long long kSampleSize = 32768;
+// Inputs smaller than this take the two-pass path: two passes over a small
+// input cost less than the sample's scattered reads.
+constexpr long long kMinPrefilterSize = 8 * kSampleSize;
+// No prefilter when the sample says more than 1/8 of the entries would pass.
+constexpr long long kMaxCandidateFraction = 8;
+
+// Index of sample s (0 <= s < kSampleSize) of n >= kSampleSize entries: one
+// from each of kSampleSize equal strides, at a pseudo-random offset inside it
+// (so periodic structure, such as the rows of a matrix, does not alias).
+TF_TOPK_HD inline long long SampleIndex(long long s, long long n) {
+  const long long stride = n / kSampleSize;
+  uint64_t h = static_cast<uint64_t>(s + 1) * 0x9E3779B97F4A7C15ull;
+  h ^= h >> 31;
+  h *= 0xBF58476D1CE4E5B9ull;
+  h ^= h >> 29;
+  return s * stride + static_cast<long long>(h % static_cast<uint64_t>(stride));
+}
+
+// The rank (0-based, descending) of the sampled magnitude that becomes the
+// prefilter threshold: twice the expected count of sampled entries among the
+// k largest, plus three standard deviations, plus 8, so that "fewer than k
+// candidates" is rare. -1: no prefilter (small input, or k too large a part
+// of it).
+TF_TOPK_HD inline long long PrefilterRank(long long n, long long k) {
+  if (n < kMinPrefilterSize || k < 1) return -1;
+  const double expected = static_cast<double>(kSampleSize) * k / n;
+  const long long rank =
+      static_cast<long long>(ceil(2.0 * expected + 3.0 * sqrt(expected) + 8.0));
+  if (rank * kMaxCandidateFraction > kSampleSize) return -1;
+  return rank;
+}
+
+// The GPU's candidate list holds at most this many entries (beyond it, the
+// two-pass path runs). Its threshold is the lower edge of the bin of the
+// rank-th sampled magnitude, below the CPU's exact sampled magnitude, so it
+// allows three times the rank's share of the input plus slack.
+TF_TOPK_HD inline long long CandidateCapacity(long long n, long long k) {
+  const long long rank = PrefilterRank(n, k);
+  if (rank < 0) return 0;
+  const long long capacity = 3 * (rank + 1) * (n / kSampleSize + 1) + 4096;
+  return capacity < n ? capacity : n;
+}
+
 // The gaussian method's refinement: inside the threshold bin [lo, hi) the
 // histogram says `in_bin` entries lie and `need` of them are wanted. Fit the
 // normal model (mean and standard deviation of the data) to place the
