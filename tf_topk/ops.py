@@ -88,14 +88,16 @@ def approx_topk(x, k, method="gaussian", name=None):
       k: number of entries to return: a Python int (the outputs then have the
         static shape [k]) or an int32 scalar tensor. 0 <= k <= size(x).
       method: "gaussian" (default) or "exact". Both locate the threshold in a
-        2048-bin logarithmic histogram of magnitudes (bins 1/8 octave wide).
-        "exact" returns the k largest magnitudes (ties broken any way).
-        "gaussian" fits a normal distribution to the data's mean and standard
-        deviation to place the threshold inside the threshold bin, takes the
-        bin's entries above it, then fills any slots left with the rest of the
-        bin: every returned entry lies within one bin (12.5%) of the exact
-        threshold, and recall against "exact" is typically above 0.98. On the
-        GPU it needs fewer passes over memory than "exact".
+        2048-bin logarithmic histogram of magnitudes (bins 1/8 octave wide)
+        and return exactly min(k, number of finite non-zero entries) entries,
+        on every device. "exact" returns the k largest magnitudes (ties broken
+        any way). "gaussian" fits a normal distribution to the data's mean and
+        standard deviation to place the threshold inside the threshold bin,
+        takes the bin's entries above it, then fills any slots left with the
+        rest of the bin: every returned entry lies within one bin (12.5%) of
+        the exact threshold, and recall against "exact" is typically above
+        0.98. On the GPU, "gaussian" needs fewer passes over memory than
+        "exact" when the input is small or k is large.
       name: optional op name.
 
     Returns:
@@ -105,6 +107,10 @@ def approx_topk(x, k, method="gaussian", name=None):
     Only finite, non-zero entries are selected: NaN, +Inf, -Inf and zeros never
     are. When fewer than k entries qualify, the spare slots hold value 0 at
     index 0, which adds nothing when scattered back with a scatter-add.
+    The CPU kernel is deterministic. The GPU kernel is not (output order,
+    and which tied entries fill the last slots, vary between runs): under
+    `tf.config.experimental.enable_op_determinism()` it raises
+    UnimplementedError; place the op on the CPU there.
     The op has no gradient and no XLA kernel: inside
     `tf.function(jit_compile=True)` (or a Keras model compiled with XLA) it
     raises UnimplementedError when traced.
