@@ -14,40 +14,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 
-def test_random_k_exchange_sends_k_random_entries_with_error_feedback():
-    import tensorflow as tf
-
-    from tf_topk import exchange as exchange_module
-    from tf_topk.bench.convergence import _random_k_classes
-
-    random_k_exchange, _ = _random_k_classes()
-    n, density = 10_000, 0.01
-    k = int(n * density)
-    variable = tf.Variable(tf.zeros([n]))
-    ex = random_k_exchange([variable], density=density, min_size=16)
-    ops_before = exchange_module.ops
-    # Increasing magnitudes: the top k are the last k entries; random picks are spread out.
-    grad = tf.range(1, n + 1, dtype=tf.float32)
-    tf.random.set_seed(0)
-    result = ex([grad])
-    assert exchange_module.ops is ops_before  # the swap is undone
-    sent = result.grads[0].numpy()
-    chosen = np.flatnonzero(sent)
-    assert len(chosen) == k
-    np.testing.assert_array_equal(sent[chosen], grad.numpy()[chosen])
-    assert chosen.min() < n - k  # not the top k
-    assert 0.25 * n < np.median(chosen) < 0.75 * n
-    # Error feedback: what was not sent stays in the residual, and comes back next step.
-    residual = ex.residuals[0].numpy()
-    np.testing.assert_array_equal(residual + sent, grad.numpy())
-    second = ex([tf.zeros([n])]).grads[0].numpy()
-    chosen2 = np.flatnonzero(second)
-    # Random picks may hit an entry already sent (now 0 in the residual): at most k non-zeros.
-    assert k - 10 <= len(chosen2) <= k and not set(chosen2) & set(chosen)
-    np.testing.assert_array_equal(second[chosen2], grad.numpy()[chosen2])
-    assert abs(float(result.stats["contraction"]) - (1 - k / n)) < 0.05
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])
 def test_tiny_run_json_and_plot(tmp_path, dataset):

@@ -173,3 +173,25 @@ def test_launch_module_needs_no_tensorflow():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_launcher_and_netns_need_no_tensorflow(tmp_path):
+    """`python -m tf_topk.launch --help` and the netns helpers work where
+    TensorFlow cannot be imported (a package of that name that refuses)."""
+    blocked = tmp_path / "blocked" / "tensorflow"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('tensorflow is not importable here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "blocked"), str(REPO_ROOT)]))
+    help_run = subprocess.run([sys.executable, "-m", "tf_topk.launch", "--help"], cwd=str(tmp_path), env=env,
+                              capture_output=True, text=True, timeout=60)
+    assert help_run.returncode == 0, help_run.stderr[-2000:]
+    assert "--workers" in help_run.stdout
+    probe = subprocess.run([sys.executable, "-c", "import tf_topk.bench.netns, tf_topk.launch, sys; "
+                            "print('tensorflow' in sys.modules)"], cwd=str(tmp_path), env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert probe.stdout.strip() == "False"
+    # The check itself holds: TensorFlow really is blocked in that environment.
+    blocked_tf = subprocess.run([sys.executable, "-c", "import tensorflow"], cwd=str(tmp_path), env=env,
+                                capture_output=True, text=True, timeout=60)
+    assert blocked_tf.returncode != 0 and "not importable" in blocked_tf.stderr

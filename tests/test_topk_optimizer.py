@@ -163,8 +163,9 @@ def test_checkpoint_restores_residuals(tmp_path):
     (dict(density="high"), r"density must be a float"),
     (dict(density=[(5, 0.1)]), r"must start at step 0"),
     (dict(density=[(0, 0.1), (0, 0.01)]), r"steps must increase"),
-    (dict(method="median"), r"method must be 'gaussian' or 'exact', got 'median'"),
+    (dict(method="median"), r"method must be one of \('gaussian', 'exact'\), got 'median'"),
     (dict(min_size=0), r"min_size must be an int >= 1, got 0"),
+    (dict(bucket_bytes=3), r"bucket_bytes must be None or an int >= 8, got 3"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -242,3 +243,77 @@ def test_exchange_outside_a_replica_context_is_an_error():
         exchange = tf_topk.SparseExchange([variable], density=0.5, min_size=1)
         with pytest.raises(RuntimeError, match="replica context"):
             exchange([tf.ones([10])])
+
+
+def test_inner_optimizer_is_left_as_given_and_all_reduces_when_reused(tmp_path):
+    """Two replicas (MirroredStrategy over two logical CPUs, in a fresh
+    process): TopKOptimizer(SGD) at density 1 updates as SGD alone does
+    (the inner all-reduce is off while it applies), and the same SGD
+    instance, used alone afterwards, all-reduces again (same update as a
+    fresh SGD, not half of it)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import keras, tf_topk
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        x = np.random.default_rng(0).standard_normal((4, 8)).astype("float32")
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            layer = keras.layers.Dense(3, use_bias=False)
+            layer.build((None, 8))
+            inner = keras.optimizers.SGD(0.1)
+            topk = tf_topk.TopKOptimizer(inner, density=1.0, method="exact", min_size=1)
+            topk.build(layer.trainable_variables)  # builds the inner optimizer too
+
+        def update_ratio(optimizer):
+            # Each replica has two of the four rows; loss = sum of squares / 4, so the
+            # all-reduced gradient is 0.5 * x^T x W and SGD moves W by -0.1 times it.
+            before = layer.kernel.numpy().copy()
+            expected = -0.1 * 0.5 * x.T @ (x @ before)
+
+            def replica_step():
+                r = tf.distribute.get_replica_context().replica_id_in_sync_group
+                xs = tf.gather(tf.constant(x), tf.stack([2 * r, 2 * r + 1]))
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(tf.reduce_sum(layer(xs) ** 2, axis=1), global_batch_size=4)
+                optimizer.apply(tape.gradient(loss, layer.trainable_variables), layer.trainable_variables)
+
+            tf.function(lambda: strategy.run(replica_step))()
+            return float(np.abs(layer.kernel.numpy() - before).sum() / np.abs(expected).sum())
+
+        print("topk", update_ratio(topk))
+        print("restored", "_all_reduce_sum_gradients" not in vars(inner))
+        print("reused", update_ratio(inner))
+    """)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = dict(line.split(" ", 1) for line in proc.stdout.splitlines()
+                   if line.split(" ")[0] in ("topk", "restored", "reused"))
+    assert abs(float(results["topk"]) - 1.0) < 1e-5, results
+    assert results["restored"] == "True", results
+    assert abs(float(results["reused"]) - 1.0) < 1e-5, results
+
+
+def test_loss_scale_fix_is_a_logged_no_op_where_keras_does_not_fit(monkeypatch, caplog):
+    from tf_topk.keras import loss_scale_fix
+
+    assert loss_scale_fix.apply_loss_scale_fix() is True
+    monkeypatch.setattr(keras, "__version__", "4.0.0")
+    with caplog.at_level("WARNING"):
+        assert loss_scale_fix.apply_loss_scale_fix() is False
+    assert "not Keras 3" in caplog.text
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    monkeypatch.delattr(keras.optimizers.LossScaleOptimizer, "check_finite")
+    with caplog.at_level("WARNING"):
+        assert loss_scale_fix.apply_loss_scale_fix() is False
+    assert "has no check_finite" in caplog.text

@@ -43,9 +43,10 @@ import math
 
 import tensorflow as tf
 
-from tf_topk import ops
-from tf_topk.memory import ErrorFeedbackMemory, make_residual
+from tf_topk.communicator import AllGatherCommunicator, ring_all_reduce_bytes
+from tf_topk.memory import ErrorFeedbackMemory, NoMemory, make_state_variable
 from tf_topk.schedule import DensitySchedule
+from tf_topk.selector import TopKSelector
 
 # Below this many entries a variable takes the dense all-reduce: its k would be
 # a handful of entries, so sparsifying saves almost nothing, while all small
@@ -84,12 +85,31 @@ def _flat_size(shape):
     return int(shape.num_elements())
 
 
-def _ring_all_reduce_bytes(num_bytes, replicas):
-    return 2.0 * (replicas - 1) / replicas * num_bytes if replicas > 1 else 0.0
+def check_min_size(min_size):
+    if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
+        raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
+
+
+def check_bucket_bytes(bucket_bytes):
+    if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                     or bucket_bytes < 8):
+        raise ValueError(f"bucket_bytes must be None or an int >= 8, got {bucket_bytes!r}")
+
+
+def is_sparsified(variable, min_size=DEFAULT_MIN_SIZE):
+    """Whether a variable's gradient takes the sparse path (else the dense all-reduce)."""
+    return _flat_size(variable.shape) >= min_size
 
 
 class SparseExchange(tf.Module):
     """Top-k sparsified, error-compensated exchange of gradients between replicas.
+
+    Three replaceable parts do the work: the selector picks k entries of each
+    accumulated gradient (`tf_topk.selector`), the memory keeps what was not
+    sent (`tf_topk.memory`), the communicator moves the pairs and the dense
+    tensors between replicas (`tf_topk.communicator`). The exchange owns the
+    rest: which variables are sparsified, the buckets, k per variable, the
+    agreed skip of non-finite steps, and the statistics.
 
     Args:
       variables: the variables whose gradients are exchanged, in the order the
@@ -97,36 +117,45 @@ class SparseExchange(tf.Module):
       density: fraction of entries sent per sparsified variable: a float in
         (0, 1], a list of (step, density) pairs or a callable (see
         `tf_topk.schedule`).
-      method: selection method of `tf_topk.approx_topk`: "gaussian" or "exact".
+      method: selection method of `tf_topk.approx_topk`: "gaussian" or "exact"
+        (the default selector's).
       min_size: variables with fewer entries take the dense all-reduce.
       bucket_bytes: upper bound on the bytes of (value, index) pairs per
         all_gather; None puts all sparsified variables in one all_gather.
         A variable is never split, so a bucket holds at least one.
       error_feedback: keep residuals (default). Without, unsent entries are
-        dropped: only for comparisons.
+        dropped: only for comparisons. (The default memory's choice.)
       residuals: optional pre-made residual variables, one per sparsified
-        variable in order (the Keras wrapper passes its own); by default they
-        are created here, so call the constructor in the strategy's scope.
+        variable in order; by default the memory makes them with
+        `make_state`, so call the constructor in the strategy's scope.
+      selector, memory, communicator: the parts, to replace the defaults
+        (TopKSelector(method), ErrorFeedbackMemory or NoMemory,
+        AllGatherCommunicator).
+      make_state: the factory `(variable, dtype, suffix) -> variable` the
+        memory makes its per-replica state with (the Keras wrapper passes one
+        that makes tracked Keras variables).
     """
 
     def __init__(self, variables, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
-                 bucket_bytes=None, error_feedback=True, residuals=None, name="sparse_exchange"):
+                 bucket_bytes=None, error_feedback=True, residuals=None, name="sparse_exchange",
+                 selector=None, memory=None, communicator=None, make_state=None):
         super().__init__(name=name)
         variables = list(variables)
         if not variables:
             raise ValueError("variables must be a non-empty list of variables, got []")
-        if method not in ops.METHODS:
-            raise ValueError(f"method must be one of {ops.METHODS}, got {method!r}")
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
-            raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
-        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
-                                         or bucket_bytes < 8):
-            raise ValueError(f"bucket_bytes must be None or an int >= 8, got {bucket_bytes!r}")
+        check_min_size(min_size)
+        check_bucket_bytes(bucket_bytes)
+        self.selector = selector if selector is not None else TopKSelector(method)
+        self.method = getattr(self.selector, "method", method)
         self.schedule = DensitySchedule(density)
-        self.method = method
         self.min_size = min_size
         self.bucket_bytes = bucket_bytes
-        self.error_feedback = bool(error_feedback)
+        if memory is None:
+            memory = ErrorFeedbackMemory(residuals) if error_feedback else NoMemory()
+        elif residuals is not None:
+            raise ValueError("pass residuals to the memory, not next to it")
+        self.memory = memory
+        self.communicator = communicator if communicator is not None else AllGatherCommunicator()
         # Only static facts about the variables are kept: holding the variables
         # themselves would make them part of this module's checkpoint.
         self._specs = []
@@ -140,18 +169,12 @@ class SparseExchange(tf.Module):
         self.sparse_positions = [i for i, s in enumerate(self._specs) if s.sparse]
         self.dense_positions = [i for i, s in enumerate(self._specs) if not s.sparse]
         self._buckets = self._make_buckets()
-        if self.error_feedback:
-            if residuals is None:
-                residuals = [make_residual(variables[i]) for i in self.sparse_positions]
-            residuals = list(residuals)
-            if len(residuals) != len(self.sparse_positions):
-                raise ValueError(f"residuals must hold one variable per sparsified variable "
-                                 f"({len(self.sparse_positions)}), got {len(residuals)}")
-            self.residuals = residuals
-        else:
-            self.residuals = []
-        self._memory = ErrorFeedbackMemory(self.residuals)
-        self._residual_slot = {position: slot for slot, position in enumerate(self.sparse_positions)}
+        self.memory.build([variables[i] for i in self.sparse_positions], make_state or make_state_variable)
+        self.error_feedback = bool(getattr(self.memory, "keeps_unsent", False))
+        # The memory's per-replica state, tracked here so that checkpoints of
+        # the exchange hold it.
+        self.residuals = self.memory.state_variables
+        self._slot = {position: slot for slot, position in enumerate(self.sparse_positions)}
 
     def _make_buckets(self):
         """Consecutive sparsified variables, at most bucket_bytes of pairs each."""
@@ -185,6 +208,25 @@ class SparseExchange(tf.Module):
         Returns an ExchangeResult. `step` (an int tensor, e.g. the optimizer's
         iterations) is required when the density is scheduled.
         """
+        grads, context = self._check_call(grads)
+        out = [None] * len(grads)
+        all_finite = self._reduce_dense(grads, context, out)
+        totals = collections.defaultdict(lambda: tf.constant(0.0, tf.float32))
+        for bucket in self._buckets:
+            members = [p for p in bucket if grads[p] is not None]
+            if not members:
+                continue
+            dense_bucket = self._exchange_bucket(members, grads, all_finite, step, context, totals)
+            offset = 0
+            for position in members:
+                spec = self._specs[position]
+                piece = dense_bucket[offset:offset + spec.size]
+                out[position] = tf.reshape(tf.cast(piece, spec.dtype), spec.shape)
+                offset += spec.size
+        return ExchangeResult(out, all_finite, self._stats(grads, totals, context.num_replicas_in_sync))
+
+    def _check_call(self, grads):
+        """The gradients as dense tensors (or None), and the replica context."""
         grads = list(grads)
         if len(grads) != len(self._specs):
             raise ValueError(f"expected {len(self._specs)} gradients (one per variable), got {len(grads)}")
@@ -192,97 +234,66 @@ class SparseExchange(tf.Module):
         if context is None:
             raise RuntimeError("SparseExchange must be called in a replica context: inside strategy.run(...), "
                                "or outside any strategy scope")
-        replicas = context.num_replicas_in_sync
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
-        present = [i for i, g in enumerate(grads) if g is not None]
-        if not present:
+        if all(g is None for g in grads):
             raise ValueError("all gradients are None: nothing to exchange")
+        return grads, context
 
-        # Non-finite entries anywhere make every replica skip the step.
+    def _reduce_dense(self, grads, context, out):
+        """All-reduces the small variables' gradients into `out` together with
+        the count of non-finite entries on all replicas; returns all_finite:
+        non-finite entries anywhere make every replica skip the step."""
+        present = [i for i, g in enumerate(grads) if g is not None]
         non_finite = tf.add_n([tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(grads[i])), tf.float32))
                                for i in present])
         dense_positions = [i for i in present if not self._specs[i].sparse]
-        dense_inputs = [grads[i] for i in dense_positions] + [non_finite]
-        if replicas > 1:
-            dense_inputs = context.all_reduce(tf.distribute.ReduceOp.SUM, dense_inputs)
-        all_finite = tf.equal(dense_inputs[-1], 0.0)
-        out = [None] * len(grads)
-        for position, reduced in zip(dense_positions, dense_inputs[:-1]):
-            out[position] = reduced
+        reduced = self.communicator.all_reduce_dense(context, [grads[i] for i in dense_positions] + [non_finite])
+        for position, tensor in zip(dense_positions, reduced[:-1]):
+            out[position] = tensor
+        return tf.equal(reduced[-1], 0.0)
 
-        totals = collections.defaultdict(lambda: tf.constant(0.0, tf.float32))
-        pair_count = 0
-        for bucket in self._buckets:
-            members = [p for p in bucket if grads[p] is not None]
-            if not members:
-                continue
-            dense_bucket, bucket_stats = self._exchange_bucket(members, grads, all_finite, step, context, replicas)
-            offset = 0
-            for position in members:
-                spec = self._specs[position]
-                piece = dense_bucket[offset:offset + spec.size]
-                out[position] = tf.reshape(tf.cast(piece, spec.dtype), spec.shape)
-                offset += spec.size
-            for key, value in bucket_stats.items():
-                totals[key] += value
-            pair_count += 1
-
-        sparse_entries = float(sum(self._specs[p].size for p in present if self._specs[p].sparse))
-        dense_entries = float(sum(self._specs[p].size for p in dense_positions))
-        all_entries = sparse_entries + dense_entries
-        k_total = totals["k"]
-        stats = {
-            "density": totals["selected"] / max(sparse_entries, 1.0),
-            "selected": totals["selected"],
-            "bytes_sent": (replicas - 1) * 8.0 * k_total + _ring_all_reduce_bytes(4.0 * dense_entries, replicas),
-            "bytes_dense": tf.constant(_ring_all_reduce_bytes(4.0 * all_entries, replicas), tf.float32),
-            "residual_norm": tf.sqrt(totals["residual_sq"]),
-            "contraction": totals["dropped_sq"] / tf.maximum(totals["accumulated_sq"], 1e-30),
-            "random_k_bound": 1.0 - k_total / max(sparse_entries, 1.0),
-        }
-        return ExchangeResult(out, all_finite, stats)
-
-    def _exchange_bucket(self, members, grads, all_finite, step, context, replicas):
+    def _exchange_bucket(self, members, grads, all_finite, step, context, totals):
+        """Select, remember and send one bucket; returns its dense float32 sum
+        over replicas and adds its statistics to `totals`."""
         values_list, indices_list, offset = [], [], 0
-        stats = collections.defaultdict(lambda: tf.constant(0.0, tf.float32))
         for position in members:
             spec = self._specs[position]
-            if self.error_feedback:
-                accumulated = self._memory.compensate(self._residual_slot[position], grads[position])
-            else:
-                accumulated = tf.reshape(tf.cast(grads[position], tf.float32), [-1])
+            slot = self._slot[position]
+            accumulated = self.memory.compensate(slot, grads[position])
             k = self.schedule.k(spec.size, step)
-            values, indices = ops.approx_topk(accumulated, k, method=self.method)
-            if self.error_feedback:
-                remaining = self._memory.update(self._residual_slot[position], accumulated, values, indices,
-                                                all_finite)
-            else:
-                selected = tf.scatter_nd(tf.expand_dims(indices, 1), values, tf.shape(accumulated))
-                remaining = accumulated - selected
+            values, indices = self.selector.select(accumulated, k)
+            remaining = self.memory.update(slot, accumulated, values, indices, all_finite)
             values = tf.where(all_finite, tf.cast(values, tf.float32), 0.0)  # a skipped step sends nothing
             values_list.append(values)
             indices_list.append(indices + offset)
             offset += spec.size
-            finite_acc = tf.where(tf.math.is_finite(accumulated), accumulated, tf.zeros_like(accumulated))
-            finite_rem = tf.where(tf.math.is_finite(remaining), remaining, tf.zeros_like(remaining))
-            stats["k"] += tf.cast(k, tf.float32)
-            stats["selected"] += tf.cast(tf.math.count_nonzero(values), tf.float32)
-            stats["accumulated_sq"] += tf.cast(tf.reduce_sum(tf.square(finite_acc)), tf.float32)
-            stats["dropped_sq"] += tf.cast(tf.reduce_sum(tf.square(finite_rem)), tf.float32)
-            stats["residual_sq"] += (tf.cast(tf.reduce_sum(tf.square(finite_rem)), tf.float32)
-                                     if self.error_feedback else 0.0)
-        values = tf.concat(values_list, 0)
-        indices = tf.concat(indices_list, 0)
-        dense = tf.zeros([offset], tf.float32)
-        if replicas == 1:
-            return tf.tensor_scatter_nd_add(dense, tf.expand_dims(indices, 1), values), stats
-        # One collective for the whole bucket: values and bit-cast indices.
-        buffer = tf.concat([values, tf.bitcast(indices, tf.float32)], 0)
-        gathered = tf.reshape(context.all_gather(buffer, axis=0), [replicas, 2, -1])
-        # Replica by replica, in replica order: within one replica's pairs the
-        # indices are distinct (spare slots add 0), so each scatter-add is
-        # order-free and every replica computes the same sum.
-        for replica in range(replicas):
-            replica_indices = tf.bitcast(gathered[replica, 1], tf.int32)
-            dense = tf.tensor_scatter_nd_add(dense, tf.expand_dims(replica_indices, 1), gathered[replica, 0])
-        return dense, stats
+            totals["k"] += tf.cast(k, tf.float32)
+            totals["selected"] += tf.cast(tf.math.count_nonzero(values), tf.float32)
+            totals["accumulated_sq"] += _finite_square_sum(accumulated)
+            totals["dropped_sq"] += _finite_square_sum(remaining)
+        return self.communicator.exchange_pairs(context, tf.concat(values_list, 0),
+                                                tf.concat(indices_list, 0), offset)
+
+    def _stats(self, grads, totals, replicas):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        sparse_entries = float(sum(self._specs[p].size for p in present if self._specs[p].sparse))
+        dense_entries = float(sum(self._specs[p].size for p in present if not self._specs[p].sparse))
+        k_total = totals["k"]
+        # With a memory, what was dropped from the accumulated gradient is the residual.
+        residual_sq = totals["dropped_sq"] if self.error_feedback else tf.constant(0.0, tf.float32)
+        return {
+            "density": totals["selected"] / max(sparse_entries, 1.0),
+            "selected": totals["selected"],
+            "bytes_sent": self.communicator.bytes_sent(k_total, dense_entries, replicas),
+            "bytes_dense": tf.constant(ring_all_reduce_bytes(4.0 * (sparse_entries + dense_entries), replicas),
+                                       tf.float32),
+            "residual_norm": tf.sqrt(residual_sq),
+            "contraction": totals["dropped_sq"] / tf.maximum(totals["accumulated_sq"], 1e-30),
+            "random_k_bound": 1.0 - k_total / max(sparse_entries, 1.0),
+        }
+
+
+def _finite_square_sum(tensor):
+    """Sum of squares of the finite entries, as float32."""
+    finite = tf.where(tf.math.is_finite(tensor), tensor, tf.zeros_like(tensor))
+    return tf.cast(tf.reduce_sum(tf.square(finite)), tf.float32)

@@ -1,8 +1,10 @@
 """The selection op: loading the library once, argument checks, the signature.
 
 The op library (`_tf_topk_ops.so`, built from `cc/` by `pip install -e .` or
-`python cc/build_ops.py`) is loaded on `import tf_topk`. Set TF_TOPK_LIBRARY to
-load another build of it (for example the one Bazel produces).
+`python cc/build_ops.py`) is loaded when this module is imported: by the first
+use of a tf_topk name, or by `import tf_topk` after TensorFlow. Set
+TF_TOPK_LIBRARY to load another build of it (for example the one Bazel
+produces).
 """
 
 import json
@@ -26,7 +28,7 @@ class LibraryVersionError(ImportError):
 
 
 def library_path():
-    """The op library that `import tf_topk` loads (TF_TOPK_LIBRARY overrides)."""
+    """The op library `tf_topk.ops` loads on import (TF_TOPK_LIBRARY overrides)."""
     return os.environ.get("TF_TOPK_LIBRARY") or _DEFAULT_LIBRARY
 
 
@@ -59,6 +61,12 @@ _library = _load_library(library_path())
 # Generated wrapper name of "ImportTfTopk>ApproxTopK".
 _approx_topk_raw = _library.import_tf_topk_approx_top_k
 tf.no_gradient(OP_NAME)
+
+
+def check_method(method):
+    """ValueError unless `method` is one of METHODS."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
 
 
 def _invalid(message):
@@ -121,8 +129,7 @@ def approx_topk(x, k, method="gaussian", name=None):
       >>> sorted(values.numpy().tolist())
       [-3.0, 2.0]
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    check_method(method)
     with tf.name_scope(name or "approx_topk"):
         x = tf.convert_to_tensor(x)
         if x.dtype not in SUPPORTED_DTYPES:

@@ -8,7 +8,7 @@ the same inner optimizer, budget (epochs) and seeds:
     topk_ef     tf_topk.TopKOptimizer(inner, density=d)                    (the library)
     topk_noef   tf_topk.TopKOptimizer(inner, density=d, error_feedback=False)
     randk_ef    k entries chosen uniformly at random, same error feedback  (a BENCHMARK BASELINE,
-                defined here, not part of the library: see RandomKExchange)
+                tf_topk.selector.RandomKSelector in the library exchange)
 
 at each density, over `--seeds` seeds, and reports the final test accuracy
 (mean and std over seeds) per configuration; `--plot` draws the test-accuracy
@@ -38,58 +38,25 @@ LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_noef": "top-k, no EF"
 
 # -- the random-k baseline (benchmark only) ------------------------------------------------
 
-class _RandomSelection:
-    """Stands in for `tf_topk.ops` while a RandomKExchange traces: approx_topk picks k random entries."""
-
-    def __init__(self, ops):
-        self._ops = ops
-
-    def __getattr__(self, name):
-        return getattr(self._ops, name)
-
-    @staticmethod
-    def approx_topk(x, k, method=None):
-        import tensorflow as tf
-
-        indices = tf.random.shuffle(tf.range(tf.size(x, out_type=tf.int32)))[:k]
-        return tf.gather(x, indices), indices
-
-
-def _random_k_classes():
-    """RandomKExchange and RandomKOptimizer, built on first use (they subclass TF/Keras classes)."""
-    from tf_topk import exchange as exchange_module
+def _random_k_optimizer_class():
+    """RandomKOptimizer, built on first use (it subclasses a Keras class)."""
+    from tf_topk.exchange import SparseExchange
     from tf_topk.keras.optimizer import TopKOptimizer
-
-    class RandomKExchange(exchange_module.SparseExchange):
-        """BENCHMARK BASELINE: SparseExchange with k entries chosen uniformly at random, not the top k.
-
-        Everything else is the library's code: the same error-feedback memory
-        (the unsent entries stay in the residual), the same k per variable, the
-        same packing and statistics. While its bucket exchange traces, the
-        module's `ops` is swapped for a selection that returns k random entries
-        (without replacement) of the accumulated gradient, then restored.
-        """
-
-        def _exchange_bucket(self, *args, **kwargs):
-            original = exchange_module.ops
-            exchange_module.ops = _RandomSelection(original)
-            try:
-                return super()._exchange_bucket(*args, **kwargs)
-            finally:
-                exchange_module.ops = original
+    from tf_topk.selector import RandomKSelector
 
     class RandomKOptimizer(TopKOptimizer):
-        """BENCHMARK BASELINE: TopKOptimizer whose exchange is a RandomKExchange (same residuals)."""
+        """BENCHMARK BASELINE: TopKOptimizer whose exchange selects k entries uniformly at random
+        (RandomKSelector), not the top k. Everything else is the library's code: the same
+        error-feedback memory and residuals, the same k per variable, packing and statistics."""
 
         def build(self, var_list):
             super().build(var_list)
             topk = self._exchange_object
-            object.__setattr__(self, "_exchange_object", RandomKExchange(
-                var_list, density=self.density, method=self.method, min_size=self.min_size,
-                bucket_bytes=self.bucket_bytes, error_feedback=self.error_feedback,
-                residuals=topk.residuals if self.error_feedback else None))
+            object.__setattr__(self, "_exchange_object", SparseExchange(
+                var_list, density=self.density, min_size=self.min_size, bucket_bytes=self.bucket_bytes,
+                selector=RandomKSelector(), memory=topk.memory))
 
-    return RandomKExchange, RandomKOptimizer
+    return RandomKOptimizer
 
 
 # -- data and model ---------------------------------------------------------------------------
@@ -135,8 +102,7 @@ def make_optimizer(keras, method, density, args):
         return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size,
                                      error_feedback=False)
     if method == "randk_ef":
-        _, random_k_optimizer = _random_k_classes()
-        return random_k_optimizer(inner, density=density, method=args.method, min_size=args.min_size)
+        return _random_k_optimizer_class()(inner, density=density, method=args.method, min_size=args.min_size)
     raise ValueError(f"unknown method {method!r}")
 
 

@@ -15,15 +15,22 @@ local verdict is summed over replicas with one scalar all-reduce, so every
 replica skips the step together and halves its loss scale together. Every
 other LossScaleOptimizer takes the original code. Applied by TopKOptimizer's
 constructor; idempotent.
+
+Guarded: on a Keras other than 3.x, or one whose LossScaleOptimizer has no
+`check_finite`, it patches nothing and logs why once (multi-worker mixed
+precision then keeps Keras's per-replica check).
 """
 
 import functools
+import logging
 import threading
 
 import keras
 import tensorflow as tf
 
 _lock = threading.Lock()
+_logger = logging.getLogger(__name__)
+_skip_reason = None
 
 
 def _wraps_topk(loss_scale_optimizer):
@@ -47,9 +54,33 @@ def _globally_finite(original):
     return check_finite
 
 
+def _unfit_reason():
+    """Why the patch does not fit this Keras, or None."""
+    if not keras.__version__.startswith("3."):
+        return f"Keras {keras.__version__} is not Keras 3"
+    if not hasattr(keras.optimizers, "LossScaleOptimizer"):
+        return f"Keras {keras.__version__} has no keras.optimizers.LossScaleOptimizer"
+    if not callable(getattr(keras.optimizers.LossScaleOptimizer, "check_finite", None)):
+        return f"Keras {keras.__version__}'s LossScaleOptimizer has no check_finite"
+    return None
+
+
 def apply_loss_scale_fix():
-    """Make LossScaleOptimizer's finite check global when it wraps a TopKOptimizer."""
+    """Make LossScaleOptimizer's finite check global when it wraps a TopKOptimizer.
+
+    Returns True when the fix is in place, False when this Keras does not
+    fit it (the reason is logged once).
+    """
+    global _skip_reason
     with _lock:
+        reason = _unfit_reason()
+        if reason is not None:
+            if reason != _skip_reason:
+                _logger.warning("tf_topk: LossScaleOptimizer fix not applied: %s; with several workers, a "
+                                "step where only some overflow can hang.", reason)
+                _skip_reason = reason
+            return False
         current = keras.optimizers.LossScaleOptimizer.check_finite
         if not hasattr(current, "__tf_topk_original__"):
             keras.optimizers.LossScaleOptimizer.check_finite = _globally_finite(current)
+        return True

@@ -23,12 +23,17 @@ Differences from the inner optimizer alone:
   XLA (a GPU machine without a distribution strategy).
 """
 
+import threading
+
 import keras
 import tensorflow as tf
 
-from tf_topk.exchange import DEFAULT_MIN_SIZE, STAT_NAMES, SparseExchange
+from tf_topk.exchange import (DEFAULT_MIN_SIZE, STAT_NAMES, SparseExchange, check_bucket_bytes,
+                              check_min_size)
 from tf_topk.keras.loss_scale_fix import apply_loss_scale_fix
 from tf_topk.keras.mwms_fix import apply_mwms_fix
+from tf_topk.memory import state_name
+from tf_topk.ops import check_method
 from tf_topk.schedule import DensitySchedule
 
 
@@ -40,11 +45,51 @@ def disable_dense_all_reduce(optimizer):
     already summed: a second all-reduce would multiply them by the number of
     replicas and send the dense gradients after all. Returns the optimizer.
     """
+    _check_all_reduce_hook(optimizer)
+    optimizer._all_reduce_sum_gradients = _no_all_reduce
+    return optimizer
+
+
+def _no_all_reduce(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def _check_all_reduce_hook(optimizer):
     if not hasattr(optimizer, "_all_reduce_sum_gradients"):
         raise RuntimeError(f"{type(optimizer).__name__} has no _all_reduce_sum_gradients: this Keras version "
                            "aggregates gradients differently; tf_topk supports Keras 3.x with TensorFlow")
-    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)
-    return optimizer
+
+
+class _DenseAllReduceOff:
+    """Within the block, `optimizer.apply` does not all-reduce; afterwards it
+    does again, so the user's optimizer is left as it was given.
+
+    Reference-counted under a lock: MirroredStrategy runs replicas in threads,
+    which enter and leave the block around the same optimizer concurrently.
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def __enter__(self):
+        optimizer = self.optimizer
+        with self._lock:
+            depth = getattr(optimizer, "_tf_topk_all_reduce_off", 0)
+            if depth == 0:
+                # One switched off by disable_dense_all_reduce stays off.
+                optimizer._tf_topk_restore = "_all_reduce_sum_gradients" not in vars(optimizer)
+                optimizer._all_reduce_sum_gradients = _no_all_reduce
+            optimizer._tf_topk_all_reduce_off = depth + 1
+
+    def __exit__(self, *exc):
+        optimizer = self.optimizer
+        with self._lock:
+            optimizer._tf_topk_all_reduce_off -= 1
+            if optimizer._tf_topk_all_reduce_off == 0 and optimizer._tf_topk_restore:
+                del optimizer._all_reduce_sum_gradients
+        return False
 
 
 # Arguments of keras.optimizers.Optimizer that act in its own `apply`, which the
@@ -116,11 +161,10 @@ class TopKOptimizer(keras.optimizers.Optimizer):
                 "Put the LossScaleOptimizer outside: keras.mixed_precision.LossScaleOptimizer("
                 "tf_topk.TopKOptimizer(keras.optimizers.SGD(...), density=...)), or set the 'mixed_float16' "
                 "policy and let model.compile wrap it")
-        if method not in ("gaussian", "exact"):
-            raise ValueError(f"method must be 'gaussian' or 'exact', got {method!r}")
+        check_method(method)
         DensitySchedule(density)  # validates
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
-            raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
+        check_min_size(min_size)
+        check_bucket_bytes(bucket_bytes)
         _check_inner_only_arguments(kwargs)
         super().__init__(learning_rate=0.0, name=name or "topk_optimizer")
         apply_mwms_fix()  # keras#20585: model.fit under MultiWorkerMirroredStrategy
@@ -131,8 +175,9 @@ class TopKOptimizer(keras.optimizers.Optimizer):
         self.min_size = min_size
         self.bucket_bytes = bucket_bytes
         self.error_feedback = bool(error_feedback)
-        # The exchange replaces the inner optimizer's dense all-reduce.
-        disable_dense_all_reduce(self.inner_optimizer)
+        # The exchange replaces the inner optimizer's dense all-reduce, which is
+        # switched off only while this optimizer applies an update through it.
+        _check_all_reduce_hook(self.inner_optimizer)
         self._exchange_object = None
 
     # -- state ----------------------------------------------------------------
@@ -141,19 +186,20 @@ class TopKOptimizer(keras.optimizers.Optimizer):
         if not self.inner_optimizer.built:
             self.inner_optimizer.build(var_list)
         super().build(var_list)
-        sizes = [int(v.shape.num_elements()) for v in var_list]
-        self._residuals = []
-        if self.error_feedback:
-            for variable, size in zip(var_list, sizes):
-                if size < self.min_size:
-                    continue
-                residual = keras.Variable(
-                    initializer="zeros", shape=variable.shape,
-                    dtype="float64" if variable.dtype == "float64" else "float32",
-                    trainable=False, aggregation="sum", synchronization="on_read",
-                    name=f"{variable.path.replace('/', '_')}_residual")
-                self._track_variable(residual)
-                self._residuals.append(residual)
+        self._residuals = []  # the exchange's state, as tracked Keras variables
+
+        def make_state(variable, dtype, suffix):
+            state = keras.Variable(initializer="zeros", shape=variable.shape, dtype=tf.as_dtype(dtype).name,
+                                   trainable=False, aggregation="sum", synchronization="on_read",
+                                   name=state_name(variable, suffix))
+            self._track_variable(state)
+            self._residuals.append(state)
+            return state.value
+
+        # Held outside Keras tracking: its state is the Keras variables above.
+        object.__setattr__(self, "_exchange_object", SparseExchange(
+            var_list, density=self.density, method=self.method, min_size=self.min_size,
+            bucket_bytes=self.bucket_bytes, error_feedback=self.error_feedback, make_state=make_state))
         self.skipped_steps = self.add_variable(shape=(), dtype="int64", name="skipped_steps",
                                                aggregation="only_first_replica")
         self._stat_variables = {
@@ -162,11 +208,6 @@ class TopKOptimizer(keras.optimizers.Optimizer):
                                  name=f"compression_{stat}")
             for stat in STAT_NAMES
         }
-        # Held outside Keras tracking: its residuals are the Keras variables above.
-        object.__setattr__(self, "_exchange_object", SparseExchange(
-            var_list, density=self.density, method=self.method, min_size=self.min_size,
-            bucket_bytes=self.bucket_bytes, error_feedback=self.error_feedback,
-            residuals=[r.value for r in self._residuals] if self.error_feedback else None))
 
     @property
     def exchange(self):
@@ -250,7 +291,8 @@ class TopKOptimizer(keras.optimizers.Optimizer):
 
     def _apply_update(self, grads, trainable_variables):
         present = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
-        self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
+        with _DenseAllReduceOff(self.inner_optimizer):
+            self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
         return tf.constant(True)
 
     def _skip_update(self):

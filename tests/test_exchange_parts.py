@@ -1,0 +1,212 @@
+"""The exchange's three parts, each on its own: selector, memory, communicator.
+
+And the promise of the split: a new selector or memory is a small class
+passed to SparseExchange, with no change to the exchange.
+"""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_topk
+from tf_topk.communicator import AllGatherCommunicator, ring_all_reduce_bytes
+from tf_topk.memory import ErrorFeedbackMemory, NoMemory, make_state_variable
+from tf_topk.selector import RandomKSelector, TopKSelector
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def numpy_top_k(flat, k):
+    """`flat` with all but its k largest |x| zeroed."""
+    kept = np.zeros_like(flat)
+    keep = np.argsort(-np.abs(flat), kind="stable")[:k]
+    kept[keep] = flat[keep]
+    return kept
+
+
+def scatter(values, indices, size):
+    dense = np.zeros(size, np.asarray(values).dtype)
+    np.add.at(dense, np.asarray(indices), np.asarray(values))
+    return dense
+
+
+# -- selector -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, 17, 500, 4000])
+def test_top_k_selector_exact_matches_numpy(k):
+    flat = np.random.default_rng(k).standard_normal(4000).astype(np.float32)
+    values, indices = TopKSelector("exact").select(tf.constant(flat), k)
+    np.testing.assert_array_equal(scatter(values.numpy(), indices.numpy(), flat.size), numpy_top_k(flat, k))
+
+
+def test_top_k_selector_refuses_an_unknown_method():
+    with pytest.raises(ValueError, match=r"method must be one of .*'median'"):
+        TopKSelector("median")
+
+
+def test_random_k_selector_picks_k_distinct_entries_spread_over_the_tensor():
+    n, k = 10_000, 100
+    flat = tf.range(1, n + 1, dtype=tf.float32)  # the top k would be the last k
+    tf.random.set_seed(0)
+    values, indices = RandomKSelector().select(flat, k)
+    chosen = indices.numpy()
+    assert len(set(chosen.tolist())) == k
+    np.testing.assert_array_equal(values.numpy(), flat.numpy()[chosen])
+    assert chosen.min() < n - k and 0.25 * n < np.median(chosen) < 0.75 * n
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+def test_error_feedback_memory_over_several_steps():
+    """Residual = what was not sent, carried from step to step; a step that
+    is not kept (non-finite) leaves it as it was."""
+    variable = tf.Variable(tf.zeros([6, 50]))
+    memory = ErrorFeedbackMemory()
+    memory.build([variable], make_state_variable)
+    (residual,) = memory.state_variables
+    assert residual.dtype == tf.float32 and residual.shape == variable.shape
+    rng = np.random.default_rng(1)
+    expected = np.zeros(300, np.float32)
+    k = 30
+    for step in range(4):
+        grad = rng.standard_normal((6, 50)).astype(np.float32)
+        accumulated = memory.compensate(0, tf.constant(grad))
+        np.testing.assert_allclose(accumulated.numpy(), grad.reshape(-1) + expected, rtol=1e-6)
+        values, indices = TopKSelector("exact").select(accumulated, k)
+        keep = tf.constant(step != 2)  # step 2: as if a replica had a NaN
+        remaining = memory.update(0, accumulated, values, indices, keep)
+        if step != 2:
+            expected = accumulated.numpy() - numpy_top_k(accumulated.numpy(), k)
+        np.testing.assert_allclose(residual.numpy().reshape(-1), expected, rtol=1e-6)
+        np.testing.assert_allclose(remaining.numpy(), expected, rtol=1e-6)
+
+
+def test_error_feedback_memory_keeps_float64_and_refuses_a_wrong_residual_count():
+    memory = ErrorFeedbackMemory()
+    memory.build([tf.Variable(tf.zeros([8], tf.float64)), tf.Variable(tf.zeros([8], tf.float16))],
+                 make_state_variable)
+    assert [r.dtype for r in memory.state_variables] == [tf.float64, tf.float32]
+    with pytest.raises(ValueError, match="one variable per sparsified variable"):
+        ErrorFeedbackMemory([tf.Variable(tf.zeros([8]))]).build([], make_state_variable)
+
+
+def test_no_memory_keeps_nothing():
+    memory = NoMemory()
+    memory.build([tf.Variable(tf.zeros([10]))], make_state_variable)
+    assert memory.state_variables == [] and not memory.keeps_unsent
+    accumulated = memory.compensate(0, tf.constant(np.arange(10, dtype=np.float64)))
+    assert accumulated.dtype == tf.float32
+    remaining = memory.update(0, accumulated, tf.constant([9.0]), tf.constant([9]), tf.constant(True))
+    np.testing.assert_array_equal(remaining.numpy(), np.r_[np.arange(9), 0].astype(np.float32))
+
+
+# -- communicator ---------------------------------------------------------------------------
+
+def test_all_gather_communicator_with_one_replica_scatters_locally():
+    communicator = AllGatherCommunicator()
+    context = tf.distribute.get_replica_context()
+    dense = communicator.exchange_pairs(context, tf.constant([2.0, 0.0, -1.0]), tf.constant([4, 0, 1]), 6)
+    np.testing.assert_array_equal(dense.numpy(), [0, -1, 0, 0, 2, 0])
+    assert communicator.bytes_sent(100.0, 1000.0, 1) == 0.0
+    assert communicator.bytes_sent(100.0, 1000.0, 4) == 3 * 8 * 100 + ring_all_reduce_bytes(4000.0, 4)
+    assert ring_all_reduce_bytes(4000.0, 4) == 2 * 3 / 4 * 4000
+
+
+def test_all_gather_communicator_with_two_replicas_sums_pairs_and_dense_tensors(tmp_path):
+    """Two replicas (MirroredStrategy over two logical CPUs, in a fresh process):
+    each sends its own pairs; both get the same dense sum."""
+    code = textwrap.dedent("""
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        from tf_topk.communicator import AllGatherCommunicator
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        communicator = AllGatherCommunicator()
+
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            r = tf.cast(context.replica_id_in_sync_group, tf.float32)
+            values = tf.stack([1.0 + r, 10.0 * (1.0 + r), 0.0])
+            indices = tf.stack([tf.cast(r, tf.int32), 5, 0])  # index 5 from both; a spare slot
+            pairs = communicator.exchange_pairs(context, values, indices, 8)
+            dense = communicator.all_reduce_dense(context, [tf.fill([3], r + 1.0), r])
+            return pairs, dense[0], dense[1]
+
+        pairs, dense, flag = tf.function(lambda: strategy.run(replica_fn))()
+        for name, result in (("pairs", pairs), ("dense", dense), ("flag", flag)):
+            for local in strategy.experimental_local_results(result):
+                print(name, local.numpy().tolist())
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.split(" ")[0] in ("pairs", "dense", "flag")]
+    expected_pairs = [1.0, 2.0, 0.0, 0.0, 0.0, 30.0, 0.0, 0.0]
+    assert lines == [f"pairs {expected_pairs}"] * 2 + ["dense [3.0, 3.0, 3.0]"] * 2 + ["flag 1.0"] * 2
+
+
+# -- new parts plug in without touching the exchange ---------------------------------------
+
+class LargestPositiveSelector:
+    """A selector in a few lines: the k largest entries by signed value."""
+
+    def select(self, accumulated, k):
+        values, indices = tf.math.top_k(accumulated, k)
+        return values, indices
+
+
+class DecayingMemory(ErrorFeedbackMemory):
+    """A memory in a few lines: error feedback whose residual decays by half each step."""
+
+    def compensate(self, slot, grad):
+        residual = self.residuals[slot]
+        return tf.reshape(tf.cast(grad, residual.dtype), [-1]) + 0.5 * tf.reshape(residual, [-1])
+
+
+def test_a_new_selector_and_memory_plug_into_the_exchange():
+    variable = tf.Variable(tf.zeros([5000]))
+    exchange = tf_topk.SparseExchange([variable], density=0.001, min_size=16,
+                                      selector=LargestPositiveSelector(), memory=DecayingMemory())
+    grad = np.linspace(-10.0, 5.0, 5000).astype(np.float32)  # the largest magnitudes are negative
+    sent = exchange([tf.constant(grad)]).grads[0].numpy()
+    k = 5
+    np.testing.assert_array_equal(np.flatnonzero(sent), np.arange(5000 - k, 5000))
+    residual = exchange.residuals[0].numpy()
+    np.testing.assert_array_equal(residual + sent, grad)
+    second = exchange([tf.zeros([5000])]).grads[0].numpy()
+    np.testing.assert_allclose(second[np.flatnonzero(second)], 0.5 * grad[5000 - 2 * k:5000 - k])
+
+
+def test_random_k_exchange_sends_k_random_entries_with_error_feedback():
+    """The convergence benchmark's baseline: the library's exchange with RandomKSelector."""
+    n, density = 10_000, 0.01
+    k = int(n * density)
+    exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros([n]))], density=density, min_size=16,
+                                      selector=RandomKSelector())
+    grad = tf.range(1, n + 1, dtype=tf.float32)
+    tf.random.set_seed(0)
+    result = exchange([grad])
+    sent = result.grads[0].numpy()
+    chosen = np.flatnonzero(sent)
+    assert len(chosen) == k and chosen.min() < n - k
+    np.testing.assert_array_equal(sent[chosen], grad.numpy()[chosen])
+    np.testing.assert_array_equal(exchange.residuals[0].numpy() + sent, grad.numpy())
+    second = exchange([tf.zeros([n])]).grads[0].numpy()
+    chosen2 = np.flatnonzero(second)
+    # Random picks may hit an entry already sent (now 0 in the residual): at most k non-zeros.
+    assert k - 10 <= len(chosen2) <= k and not set(chosen2) & set(chosen)
+    assert abs(float(result.stats["contraction"]) - (1 - k / n)) < 0.05
+
+
+def test_residuals_passed_next_to_a_memory_are_refused():
+    with pytest.raises(ValueError, match="pass residuals to the memory"):
+        tf_topk.SparseExchange([tf.Variable(tf.zeros([5000]))], min_size=16, memory=NoMemory(),
+                               residuals=[tf.Variable(tf.zeros([5000]))])
