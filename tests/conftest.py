@@ -1,8 +1,13 @@
-"""Test configuration: quiet TensorFlow logs, a `slow` marker."""
+"""Test configuration: quiet TensorFlow logs, the repository on sys.path, a `slow` marker."""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
 
 
 def pytest_configure(config):

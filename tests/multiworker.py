@@ -15,12 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tf_topk import launch
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:  # `pytest` (not `python -m pytest`) without an installed tf_topk
-    sys.path.insert(0, str(REPO_ROOT))
-
-
-from tf_topk import launch  # noqa: E402
 
 LaunchResult, run_workers = launch.LaunchResult, launch.run_workers
 LAUNCH_CLI = [sys.executable, "-m", "tf_topk.launch"]

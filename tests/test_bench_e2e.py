@@ -18,11 +18,9 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
+from tf_topk.bench import e2e, netns
 
-from tf_topk.bench import e2e, netns  # noqa: E402
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 BENCH = [sys.executable, "-m", "tf_topk.bench", "e2e"]
 

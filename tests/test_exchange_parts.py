@@ -4,7 +4,6 @@ And the promise of the split: a new selector or memory is a small class
 passed to SparseExchange, with no change to the exchange.
 """
 
-import math
 import os
 import subprocess
 import sys

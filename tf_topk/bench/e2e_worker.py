@@ -225,7 +225,7 @@ def main(argv=None):
         return {"sent": after[0] - before[0], "received": after[1] - before[1]}
 
     stats = optimizer.compression_stats() if density is not None else {}
-    dense_bytes = 2.0 * (replicas - 1) / replicas * 4.0 * params if replicas > 1 else 0.0
+    dense_bytes = tf_topk.communicator.ring_all_reduce_bytes(4.0 * params, replicas)
     result = {
         "index": index, "config": args.config, "model": args.model, "params": params,
         "replicas": replicas, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
