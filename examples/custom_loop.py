@@ -18,7 +18,8 @@ import os
 import sys
 import time
 
-from common import density, positive_int  # examples/common.py: run as scripts, the folder is on sys.path
+from tf_topk.bench.data import load_data
+from tf_topk.cli import density, positive_int
 
 DATASETS = ("digits", "mnist", "cifar10")
 DEFAULT_LEARNING_RATES = {"sgd": 0.05, "adam": 1e-3}
@@ -64,35 +65,6 @@ def parse_args(argv=None):
     if args.batch_size % replicas_hint:
         parser.error(f"--batch-size {args.batch_size} must be divisible by the {replicas_hint} replicas")
     return args
-
-
-def load_data(name, seed):
-    """(x_train, y_train), (x_test, y_test) as flat float32 features in [0, 1] and int32 labels."""
-    import numpy as np
-
-    if name == "digits":
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
-        x, y = load_digits(return_X_y=True)
-        x_train, x_test, y_train, y_test = train_test_split(
-            x / 16.0, y, test_size=0.2, random_state=seed, stratify=y)
-    else:
-        import keras
-
-        loader = {"mnist": keras.datasets.mnist, "cifar10": keras.datasets.cifar10}[name]
-        try:
-            (x_train, y_train), (x_test, y_test) = loader.load_data()
-        except Exception as error:  # urllib/ssl/OS errors: all mean "no download"
-            sys.exit(f"error: could not download {name} through keras.datasets ({type(error).__name__}: {error}).\n"
-                     f"It needs internet access, or the file already in the Keras cache (~/.keras/datasets by default). "
-                     f"The default --dataset digits works offline.")
-        x_train, x_test = x_train / 255.0, x_test / 255.0
-
-    def flat(x, y):
-        return x.reshape(len(x), -1).astype(np.float32), y.reshape(-1).astype(np.int32)
-
-    return flat(x_train, y_train), flat(x_test, y_test)
 
 
 def make_strategy(args):
@@ -161,41 +133,46 @@ def replica_checksums(strategy, variables):
     return sums
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    (x_train, y_train), (x_test, y_test) = load_data(args.dataset, args.seed)
-
-    strategy, description, worker, is_chief = make_strategy(args)
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
-    import tf_topk
-
+def chief_printer(is_chief):
+    """A print that only the chief executes: every worker runs this script, and the log needs each line once."""
     def say(*parts):
         if is_chief:
             print(*parts, flush=True)
 
-    replicas = strategy.num_replicas_in_sync
-    if args.batch_size % replicas:
-        sys.exit(f"error: --batch-size {args.batch_size} must be divisible by the {replicas} replicas")
-    keras.utils.set_random_seed(args.seed)  # same initial weights on every worker
+    return say
+
+
+def build_training(strategy, args, features, classes):
+    """(model, optimizer, exchange), all created in the strategy's scope so that
+    their variables (the optimizer's slots and the exchange's residuals too)
+    exist on every replica."""
+    import tf_topk
 
     with strategy.scope():
-        model = make_model(x_train.shape[1], int(y_train.max()) + 1)
+        model = make_model(features, classes)
         optimizer = skip_keras_all_reduce(make_optimizer(args.optimizer, args.learning_rate))
         optimizer.build(model.trainable_variables)  # its slots are created here, in the scope
         exchange = tf_topk.SparseExchange(model.trainable_variables, density=args.density, method=args.method)
-    variables = model.trainable_variables
+    return model, optimizer, exchange
 
-    say(f"{description}: {replicas} replica(s); {args.dataset}: {len(x_train)} train / "
-        f"{len(x_test)} test examples; {args.optimizer} lr {args.learning_rate:g}")
+
+def print_setup(say, args, description, replicas, train_examples, test_examples, exchange):
+    """The two header lines: what runs where, and what the exchange sends, before the first (slow, traced) step."""
+    say(f"{description}: {replicas} replica(s); {args.dataset}: {train_examples} train / "
+        f"{test_examples} test examples; {args.optimizer} lr {args.learning_rate:g}")
     say(f"exchange: {len(exchange.sparse_positions)} variable(s) sparsified at density {args.density:g} "
         f"({args.method}), {len(exchange.dense_positions)} small one(s) all-reduced densely, "
         f"{exchange.num_buckets} all_gather(s) per step")
 
-    # Each worker builds the same shuffled global batches and takes its shard;
-    # drop_remainder keeps every replica's batch the same size.
+
+def distribute_dataset(strategy, args, x_train, y_train):
+    """(distributed dataset, steps per epoch).
+
+    Each worker builds the same shuffled global batches and takes its shard;
+    drop_remainder keeps every replica's batch the same size.
+    """
+    import tensorflow as tf
+
     dataset = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
                .shuffle(len(x_train), seed=args.seed, reshuffle_each_iteration=True)
                .batch(args.batch_size, drop_remainder=True))
@@ -205,6 +182,15 @@ def main(argv=None):
     steps_per_epoch = len(x_train) // args.batch_size
     if args.steps:
         steps_per_epoch = min(steps_per_epoch, args.steps)
+    return dist_dataset, steps_per_epoch
+
+
+def make_train_step(strategy, model, optimizer, exchange, variables, global_batch_size):
+    """The tf.function of one training step on every replica, where the exchange
+    replaces the dense all-reduce: (summed loss, summed correct, applied,
+    bytes sent, dense bytes). A step with a non-finite gradient is not applied."""
+    import keras
+    import tensorflow as tf
 
     def replica_step(x, y, poison):
         """Forward, backward and exchange on one replica; returns what the update needs."""
@@ -212,7 +198,7 @@ def main(argv=None):
             logits = model(x, training=True)
             per_example = keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True)
             # Scaled by the GLOBAL batch: the exchange sums over replicas.
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=args.batch_size)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=global_batch_size)
             replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
             scale = tf.where(tf.logical_and(poison, tf.equal(replica_id, 0)), float("nan"), 1.0)
             grad_loss = loss * scale  # --nan-at-step: a broken gradient on one replica only
@@ -241,12 +227,15 @@ def main(argv=None):
                 strategy.reduce(tf.distribute.ReduceOp.SUM, correct, axis=None),
                 applied, first(stats["bytes_sent"]), first(stats["bytes_dense"]))
 
-    @tf.function
-    def predict(x):
-        return tf.argmax(model(x, training=False), -1, output_type=tf.int32)
+    return train_step
 
-    summary = {"strategy": description, "replicas": replicas, "worker": worker,
-               "epochs": [], "skipped_steps": []}
+
+def train(args, dist_dataset, steps_per_epoch, train_step, summary, say):
+    """Runs the epochs, one printed line each, recording them and the skipped
+    steps in `summary`; returns the last step's (bytes sent, dense bytes), as
+    the byte counts are the same every step."""
+    import tensorflow as tf
+
     global_step = 0
     for epoch in range(args.epochs):
         start = time.time()
@@ -269,29 +258,96 @@ def main(argv=None):
         summary["epochs"].append(record)
         say(f"epoch {epoch + 1}/{args.epochs}: loss {record['loss']:.4f}, accuracy {record['accuracy']:.4f} "
             f"({steps} steps, {record['seconds']:.1f}s)")
+    return bytes_sent, bytes_dense
 
-    test_accuracy = float(np.mean(predict(tf.constant(x_test)).numpy() == y_test))
-    summary.update(test_accuracy=test_accuracy, bytes_sent=float(bytes_sent), bytes_dense=float(bytes_dense),
-                   weights_finite=all(bool(np.all(np.isfinite(v.numpy()))) for v in variables))
-    say(f"test accuracy: {test_accuracy:.4f}")
-    if replicas > 1:
-        say(f"bytes sent per step and replica: {float(bytes_sent):,.0f} (dense all-reduce: "
-            f"{float(bytes_dense):,.0f}, {100.0 * float(bytes_sent) / float(bytes_dense):.1f}%)")
+
+def evaluate(model, x_test, y_test):
+    """Test accuracy, predicted in one graph call over the whole test set (the same on every worker)."""
+    import numpy as np
+    import tensorflow as tf
+
+    @tf.function
+    def predict(x):
+        return tf.argmax(model(x, training=False), -1, output_type=tf.int32)
+
+    return float(np.mean(predict(tf.constant(x_test)).numpy() == y_test))
+
+
+def weights_finite(variables):
+    """Whether every weight is finite: a skipped NaN step must leave none behind."""
+    import numpy as np
+
+    return all(bool(np.all(np.isfinite(v.numpy()))) for v in variables)
+
+
+def report(say, summary):
+    """The chief's closing lines: test accuracy, bytes per step against the dense all-reduce, skipped steps."""
+    say(f"test accuracy: {summary['test_accuracy']:.4f}")
+    if summary["replicas"] > 1:
+        say(f"bytes sent per step and replica: {summary['bytes_sent']:,.0f} (dense all-reduce: "
+            f"{summary['bytes_dense']:,.0f}, {100.0 * summary['bytes_sent'] / summary['bytes_dense']:.1f}%)")
     else:
         say("one replica: nothing is exchanged (selection and error feedback still run)")
     if summary["skipped_steps"]:
         say(f"skipped steps (non-finite gradients): {summary['skipped_steps']}")
-    if args.check_replicas:
-        checksums = replica_checksums(strategy, variables)
-        summary["checksums"] = checksums
-        first_id = worker * len(checksums)
-        for i, checksum in enumerate(checksums):  # every worker prints its own replicas
-            print(f"replica {first_id + i} weights sha256 {checksum}", flush=True)
-        if is_chief and len(set(checksums)) == 1 and len(checksums) > 1:
-            print(f"all {len(checksums)} local replicas hold identical weights", flush=True)
-    if args.summary_json and (is_chief or "{worker}" in args.summary_json):
-        with open(args.summary_json.replace("{worker}", str(worker)), "w") as f:
+
+
+def check_replicas(strategy, variables, worker, is_chief, summary):
+    """--check-replicas: every worker prints a checksum of each of its replicas'
+    weights (and records them in `summary`), to show that they stay identical."""
+    checksums = replica_checksums(strategy, variables)
+    summary["checksums"] = checksums
+    first_id = worker * len(checksums)
+    for i, checksum in enumerate(checksums):  # every worker prints its own replicas
+        print(f"replica {first_id + i} weights sha256 {checksum}", flush=True)
+    if is_chief and len(set(checksums)) == 1 and len(checksums) > 1:
+        print(f"all {len(checksums)} local replicas hold identical weights", flush=True)
+
+
+def write_summary(path, summary, worker, is_chief):
+    """--summary-json: the printed numbers as JSON, from the chief, or from every
+    worker when '{worker}' in the path gives each its own file."""
+    if is_chief or "{worker}" in path:
+        with open(path.replace("{worker}", str(worker)), "w") as f:
             json.dump(summary, f, indent=1)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    x_train, y_train, x_test, y_test = load_data(args.dataset, args.seed)
+
+    strategy, description, worker, is_chief = make_strategy(args)
+    # Loaded here, after make_strategy has configured the runtime, and in this
+    # order (tf_topk registers its op once TensorFlow is loaded); the functions
+    # above import them again where they use them.
+    import keras
+    import numpy as np  # noqa: F401
+    import tensorflow as tf  # noqa: F401
+
+    import tf_topk  # noqa: F401
+
+    say = chief_printer(is_chief)
+    replicas = strategy.num_replicas_in_sync
+    if args.batch_size % replicas:
+        sys.exit(f"error: --batch-size {args.batch_size} must be divisible by the {replicas} replicas")
+    keras.utils.set_random_seed(args.seed)  # same initial weights on every worker
+
+    model, optimizer, exchange = build_training(strategy, args, x_train.shape[1], int(y_train.max()) + 1)
+    variables = model.trainable_variables
+    print_setup(say, args, description, replicas, len(x_train), len(x_test), exchange)
+    dist_dataset, steps_per_epoch = distribute_dataset(strategy, args, x_train, y_train)
+    train_step = make_train_step(strategy, model, optimizer, exchange, variables, args.batch_size)
+
+    summary = {"strategy": description, "replicas": replicas, "worker": worker,
+               "epochs": [], "skipped_steps": []}
+    bytes_sent, bytes_dense = train(args, dist_dataset, steps_per_epoch, train_step, summary, say)
+    summary.update(test_accuracy=evaluate(model, x_test, y_test), bytes_sent=float(bytes_sent),
+                   bytes_dense=float(bytes_dense), weights_finite=weights_finite(variables))
+    report(say, summary)
+    if args.check_replicas:
+        check_replicas(strategy, variables, worker, is_chief, summary)
+    if args.summary_json:
+        write_summary(args.summary_json, summary, worker, is_chief)
     return 0
 
 

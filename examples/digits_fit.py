@@ -51,30 +51,6 @@ def parse_args(argv=None):
     return args
 
 
-def load_data(name, seed):
-    """(x_train, y_train, x_test, y_test) as float32 features and int32 labels."""
-    import numpy as np
-
-    if name == "digits":
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
-        x, y = load_digits(return_X_y=True)
-        x_train, x_test, y_train, y_test = train_test_split(
-            (x / 16.0).astype("float32"), y.astype("int32"), test_size=0.2, random_state=seed, stratify=y)
-        return x_train, y_train, x_test, y_test
-    import keras
-
-    loader = {"mnist": keras.datasets.mnist, "cifar10": keras.datasets.cifar10}[name]
-    try:
-        (x_train, y_train), (x_test, y_test) = loader.load_data()
-    except Exception as error:  # no internet: say so instead of a long traceback
-        raise SystemExit(f"--dataset {name} needs to download the data set and failed ({error}); "
-                         "use --dataset digits (offline)") from error
-    flat = lambda a: (a.reshape(len(a), -1) / 255.0).astype("float32")  # noqa: E731
-    return flat(x_train), y_train.reshape(-1).astype("int32"), flat(x_test), y_test.reshape(-1).astype("int32")
-
-
 class StepTimer:
     """Wall time of each training batch (a Keras callback, built lazily)."""
 
@@ -108,6 +84,7 @@ def main(argv=None):
     import keras
 
     import tf_topk
+    from tf_topk.bench.data import load_data
 
     if "TF_CONFIG" in os.environ:
         tf_topk.keras.apply_mwms_fix()  # keras#20585, also for the dense baseline

@@ -20,7 +20,7 @@ import argparse
 import json
 import sys
 
-from common import density, positive_int  # examples/common.py: run as scripts, the folder is on sys.path
+from tf_topk.cli import density, positive_int
 
 OP_NAME = "ImportTfTopk>ApproxTopK"  # the registered name of tf_topk's selection op
 FEATURES, CLASSES, HIDDEN = 64, 10, 256
@@ -194,14 +194,14 @@ def load(export_dir, import_tf_topk):
     import tensorflow as tf
 
     if import_tf_topk:
-        import tf_topk  # noqa: F401  registers ImportTfTopk>ApproxTopK, which train_step uses
+        import tf_topk.ops  # noqa: F401  registers ImportTfTopk>ApproxTopK, which train_step uses
     try:
         return tf.saved_model.load(export_dir)
     except Exception as error:  # NotFoundError in TF 2.21; matched by message to be safe across versions
         if OP_NAME not in str(error):
             raise
-        sys.exit(f"error: {export_dir} uses tf_topk's op {OP_NAME}, which is registered only once tf_topk is "
-                 f"imported.\nRun `import tf_topk` before tf.saved_model.load(...)"
+        sys.exit(f"error: {export_dir} uses tf_topk's op {OP_NAME}, which is registered only once tf_topk.ops is "
+                 f"imported.\nRun `import tf_topk.ops` before tf.saved_model.load(...)"
                  f"{' (this run skipped it: --no-import)' if not import_tf_topk else ''}.\n"
                  f"TensorFlow said: {str(error).splitlines()[0]}")
 

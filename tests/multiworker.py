@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tf_topk import launch
+from tf_topk.launch import pid_alive
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,16 +64,6 @@ def load_weights(path: Path) -> list:
     """The arrays saved by `np.savez(path, *weights)`, in order."""
     with np.load(path) as data:
         return [data[f"arr_{i}"] for i in range(len(data.files))]
-
-
-def pid_alive(pid: int) -> bool:
-    """True if `pid` runs; a zombie (dead, not reaped by PID 1 in a container) is not alive."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
 
 
 def wait_dead(pids, timeout: float = 5.0) -> list:

@@ -12,8 +12,9 @@ The names are loaded on first use, so submodules that need no TensorFlow
 (`tf_topk.launch`, `tf_topk.bench.netns`) import without it; the first of
 these names to be used loads TensorFlow and the selection op library once.
 Imported after TensorFlow (`import tensorflow as tf; import tf_topk`), the
-package registers the selection op at once, as a SavedModel that uses it
-needs before `tf.saved_model.load`.
+package registers the selection op at once; `import tf_topk.ops` registers it
+in any order. A SavedModel that uses the op needs it registered before
+`tf.saved_model.load`.
 """
 
 import importlib

@@ -167,6 +167,17 @@ class _Interrupted(Exception):
         self.signum = signum
 
 
+def pid_alive(pid: int) -> bool:
+    """True if `pid` runs; a zombie (dead, not yet reaped, as under PID 1 in a
+    container) is not alive. Linux (/proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     """Send `sig` to the worker's process group (it is the group leader)."""
     try:

@@ -298,86 +298,101 @@ inline Plan MakePlan(const uint32_t* hist, int64_t k, Method method,
   return plan;
 }
 
-}  // namespace
-
-template <typename T>
-void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
-                                                 const T* input, int64_t n,
-                                                 int64_t k, Method method,
-                                                 T* values,
-                                                 int32_t* indices) {
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  const int threads = std::max(1, pool->NumThreads());
-  const int64_t block_size = std::max<int64_t>(
-      kMinBlockSize, (n + threads * kBlocksPerThread - 1) /
-                         (threads * kBlocksPerThread));
-  const int64_t num_blocks = (n + block_size - 1) / block_size;
-  auto block_begin = [&](int64_t b) { return std::min(n, b * block_size); };
-  // One block per shard: blocks are already sized to spread over threads.
-  const auto one_block_per_shard =
-      ::tsl::thread::ThreadPool::SchedulingParams::Fixed(1);
-  auto for_each_block = [&](const std::function<void(int64_t)>& fn) {
-    pool->ParallelFor(num_blocks, one_block_per_shard,
-                      [&](int64_t first, int64_t last) {
-                        for (int64_t b = first; b < last; ++b) fn(b);
-                      });
-  };
-
-  // The sample gives the prefilter threshold and, for the gaussian method,
-  // the moments of the normal fit.
-  Sample sample{{}, {0.0, 0.0, 0}};
-  uint32_t low_key = 0u;
-  if (PrefilterRank(n, k) >= 0) {
-    sample = SampleOf(input, n);
-    low_key = PrefilterKey(&sample, n, k);
+// The input cut into blocks that run in parallel on the intra-op pool, a few
+// blocks per thread, at least kMinBlockSize entries each.
+class Blocks {
+ public:
+  Blocks(OpKernelContext* ctx, int64_t n)
+      : pool_(ctx->device()->tensorflow_cpu_worker_threads()->workers), n_(n) {
+    const int threads = std::max(1, pool_->NumThreads());
+    size_ = std::max<int64_t>(kMinBlockSize,
+                              (n + threads * kBlocksPerThread - 1) /
+                                  (threads * kBlocksPerThread));
+    count_ = (n + size_ - 1) / size_;
   }
-  // One pass: collect the entries at or above the prefilter threshold.
-  if (low_key != 0u) {
-    std::vector<std::vector<Candidate<T>>> block_candidates(num_blocks);
-    std::vector<char> block_ok(num_blocks, 0);
-    for_each_block([&](int64_t b) {
-      const int64_t begin = block_begin(b), end = block_begin(b + 1);
-      block_ok[b] = PrefilterBlock(input, begin, end, low_key,
-                                   (end - begin) / kMaxCandidateFraction + 64,
-                                   &block_candidates[b]);
-    });
-    if (std::all_of(block_ok.begin(), block_ok.end(),
-                    [](char ok) { return ok != 0; })) {
-      std::vector<uint32_t> hist(kNumBins, 0u);
-      for (const auto& candidates : block_candidates) {
-        for (const Candidate<T>& c : candidates) ++hist[BinOf(KeyOf(c.value))];
-      }
-      const Plan plan = MakePlan(hist.data(), k, method, sample.moments, low_key);
-      if (plan.bin >= 0) {  // at least k candidates: the whole answer is here
-        int64_t slot = 0;
-        std::vector<TieCandidate> ties;
-        for (const auto& candidates : block_candidates) {
-          for (const Candidate<T>& c : candidates) {
-            const EntryClass c_class = Classify(
-                KeyOf(c.value), plan.sure_above, plan.tie_low, plan.bin_low);
-            if (c_class == EntryClass::kSure) {
-              values[slot] = c.value;
-              indices[slot] = c.index;
-              ++slot;
-            } else if (c_class != EntryClass::kSkip) {
-              ties.push_back(TieCandidate{MagnitudeOf(c.value), c.index});
-            }
-          }
-        }
-        FinishTies(method, plan, input, &ties, slot, k, values, indices);
-        return;
+
+  int64_t count() const { return count_; }
+  int64_t begin(int64_t b) const { return std::min(n_, b * size_); }
+  int64_t end(int64_t b) const { return begin(b + 1); }
+
+  // fn(b) for every block, in parallel; one block per shard, since blocks
+  // are already sized to spread over the threads.
+  void ForEach(const std::function<void(int64_t)>& fn) const {
+    pool_->ParallelFor(count_,
+                       ::tsl::thread::ThreadPool::SchedulingParams::Fixed(1),
+                       [&](int64_t first, int64_t last) {
+                         for (int64_t b = first; b < last; ++b) fn(b);
+                       });
+  }
+
+ private:
+  ::tsl::thread::ThreadPool* pool_;
+  int64_t n_;
+  int64_t size_;
+  int64_t count_;
+};
+
+// The one-pass path: the sample gives the prefilter threshold (and, for the
+// gaussian method, the moments of the normal fit); one pass collects the
+// entries at or above it; their histogram makes the plan. Returns false,
+// having written nothing, when there is no useful threshold or the sample
+// misled (too many candidates in a block, or fewer than k in all).
+template <typename T>
+bool SelectFromCandidates(const Blocks& blocks, const T* input, int64_t n,
+                          int64_t k, Method method, T* values,
+                          int32_t* indices) {
+  if (PrefilterRank(n, k) < 0) return false;
+  Sample sample = SampleOf(input, n);
+  const uint32_t low_key = PrefilterKey(&sample, n, k);
+  if (low_key == 0u) return false;
+  std::vector<std::vector<Candidate<T>>> block_candidates(blocks.count());
+  std::vector<char> block_ok(blocks.count(), 0);
+  blocks.ForEach([&](int64_t b) {
+    const int64_t begin = blocks.begin(b), end = blocks.end(b);
+    block_ok[b] = PrefilterBlock(input, begin, end, low_key,
+                                 (end - begin) / kMaxCandidateFraction + 64,
+                                 &block_candidates[b]);
+  });
+  if (!std::all_of(block_ok.begin(), block_ok.end(),
+                   [](char ok) { return ok != 0; })) {
+    return false;
+  }
+  std::vector<uint32_t> hist(kNumBins, 0u);
+  for (const auto& candidates : block_candidates) {
+    for (const Candidate<T>& c : candidates) ++hist[BinOf(KeyOf(c.value))];
+  }
+  const Plan plan = MakePlan(hist.data(), k, method, sample.moments, low_key);
+  if (plan.bin < 0) return false;  // fewer than k candidates
+  int64_t slot = 0;
+  std::vector<TieCandidate> ties;
+  for (const auto& candidates : block_candidates) {
+    for (const Candidate<T>& c : candidates) {
+      const EntryClass c_class = Classify(KeyOf(c.value), plan.sure_above,
+                                          plan.tie_low, plan.bin_low);
+      if (c_class == EntryClass::kSure) {
+        values[slot] = c.value;
+        indices[slot] = c.index;
+        ++slot;
+      } else if (c_class != EntryClass::kSkip) {
+        ties.push_back(TieCandidate{MagnitudeOf(c.value), c.index});
       }
     }
   }
+  FinishTies(method, plan, input, &ties, slot, k, values, indices);
+  return true;
+}
 
-  // Fallback passes: histogram of the whole input, then compaction. Each
-  // block's output offset is known from its own histogram, so blocks write
-  // in parallel and in index order.
+// The two-pass path: histogram of the whole input, then compaction. Each
+// block's output offset is known from its own histogram, so blocks write in
+// parallel and in index order.
+template <typename T>
+void SelectWithTwoPasses(const Blocks& blocks, const T* input, int64_t k,
+                         Method method, T* values, int32_t* indices) {
+  const int64_t num_blocks = blocks.count();
   std::vector<uint32_t> block_hists(num_blocks * kNumBins);
   std::vector<Moments> block_moments(num_blocks);
-  for_each_block([&](int64_t b) {
-    block_moments[b] = HistogramOfBlock(input, block_begin(b),
-                                        block_begin(b + 1),
+  blocks.ForEach([&](int64_t b) {
+    block_moments[b] = HistogramOfBlock(input, blocks.begin(b), blocks.end(b),
                                         &block_hists[b * kNumBins]);
   });
   std::vector<uint32_t> hist(kNumBins, 0u);
@@ -400,14 +415,29 @@ void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
     offsets[b + 1] = offsets[b] + sure;
   }
   std::vector<std::vector<TieCandidate>> block_ties(num_blocks);
-  for_each_block([&](int64_t b) {
-    CompactBlock(input, block_begin(b), block_begin(b + 1), plan, offsets[b],
+  blocks.ForEach([&](int64_t b) {
+    CompactBlock(input, blocks.begin(b), blocks.end(b), plan, offsets[b],
                  values, indices, &block_ties[b]);
   });
   std::vector<TieCandidate> ties;
   for (auto& t : block_ties) ties.insert(ties.end(), t.begin(), t.end());
   FinishTies(method, plan, input, &ties, offsets[num_blocks], k, values,
              indices);
+}
+
+}  // namespace
+
+template <typename T>
+void ApproxTopKFunctor<CPUDevice, T>::operator()(OpKernelContext* ctx,
+                                                 const T* input, int64_t n,
+                                                 int64_t k, Method method,
+                                                 T* values,
+                                                 int32_t* indices) {
+  const Blocks blocks(ctx, n);
+  if (SelectFromCandidates(blocks, input, n, k, method, values, indices)) {
+    return;
+  }
+  SelectWithTwoPasses(blocks, input, k, method, values, indices);
 }
 
 template <typename Device, typename T>

@@ -32,6 +32,9 @@ import time
 
 import numpy as np
 
+from tf_topk.bench.data import load_data
+from tf_topk import cli
+
 METHODS = ("topk_ef", "topk_noef", "randk_ef")
 LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_noef": "top-k, no EF", "randk_ef": "random-k + EF"}
 
@@ -60,28 +63,6 @@ def _random_k_optimizer_class():
 
 
 # -- data and model ---------------------------------------------------------------------------
-
-def load_data(name, seed=0):
-    """(x_train, y_train, x_test, y_test), float32 / int32; a fixed split."""
-    from sklearn.model_selection import train_test_split
-
-    if name == "digits":
-        from sklearn.datasets import load_digits
-
-        x, y = load_digits(return_X_y=True)
-        x = x / 16.0
-    elif name == "synthetic":
-        from sklearn.datasets import make_classification
-
-        x, y = make_classification(n_samples=2500, n_features=64, n_informative=32, n_redundant=8,
-                                   n_classes=10, n_clusters_per_class=2, class_sep=1.5, random_state=seed)
-        x = (x - x.mean(0)) / x.std(0)
-    else:
-        raise ValueError(f"dataset must be digits or synthetic, got {name!r}")
-    x_train, x_test, y_train, y_test = train_test_split(x.astype(np.float32), y.astype(np.int32),
-                                                        test_size=0.2, stratify=y, random_state=seed)
-    return x_train, y_train, x_test, y_test
-
 
 def make_model(keras, inputs, hidden, classes):
     layers = [keras.Input((inputs,))]
@@ -252,16 +233,6 @@ def plot(result, path):
     plt.close(fig)
 
 
-def _floats(text):
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
-    if not values or any(not 0 < v <= 1 for v in values):
-        raise argparse.ArgumentTypeError(f"densities must be in (0, 1], got {text!r}")
-    return values
-
-
 def _methods(text):
     values = [v.strip() for v in text.split(",") if v.strip()]
     bad = [v for v in values if v not in METHODS]
@@ -275,7 +246,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tf_topk.bench convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=("digits", "synthetic"), default="digits")
-    parser.add_argument("--densities", type=_floats, default=[0.1, 0.01, 0.001])
+    parser.add_argument("--densities", type=cli.densities, default=[0.1, 0.01, 0.001])
     parser.add_argument("--methods", type=_methods, default=list(METHODS),
                         help=f"comma-separated, among {','.join(METHODS)} (dense always runs)")
     parser.add_argument("--seeds", type=int, default=3)

@@ -147,7 +147,8 @@ def parse_config(text):
     return float(m.group(1))
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The worker's options; tf_topk.bench.e2e writes this command line, so the two change together."""
     p = argparse.ArgumentParser(prog="python -m tf_topk.bench.e2e_worker")
     p.add_argument("--config", required=True, help="dense or topk:<density>")
     p.add_argument("--model", choices=MODELS, default="wide")
@@ -164,32 +165,34 @@ def main(argv=None):
                    help="seconds; TF's coordination service heartbeat (MWMS default: 10)")
     p.add_argument("--parent-pid", type=int, default=0)
     p.add_argument("--run-id", default="", help="tag of the benchmark run (for finding leftovers)")
-    args = p.parse_args(argv)
-    die_with_parent(args.parent_pid)
-    density = parse_config(args.config)
-    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    return p.parse_args(argv)
 
-    import numpy as np
-    import tensorflow as tf
 
+def start_strategy(tf, args):
+    """MultiWorkerMirroredStrategy, after TF's thread pools and coordination
+    service are configured: both are fixed once the runtime starts, so this
+    comes before any other TF work."""
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, args.threads))
     configure_heartbeat(args.heartbeat_timeout)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()  # before any other TF work
-    import keras
+    return tf.distribute.MultiWorkerMirroredStrategy()
 
-    import tf_topk
 
-    replicas = strategy.num_replicas_in_sync
+def build_training(keras, tf_topk, strategy, args, density):
+    """(model, optimizer, input shape, classes), created in the strategy's scope
+    so their variables are mirrored: the plain SGD for `dense` (Keras's dense
+    all-reduce), TopKOptimizer around the same SGD for `topk:<d>`."""
     with strategy.scope():
         model, shape, classes = build_model(keras, args.model, args.seed)
         inner = keras.optimizers.SGD(args.learning_rate, momentum=0.9)
         optimizer = inner if density is None else tf_topk.TopKOptimizer(inner, density=density, method=args.method)
-    params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
-    global_batch = args.batch_size * replicas
-    batches = [(tf.constant(x), tf.constant(y)) for x, y in
-               make_batches(np, shape, classes, args.batch_size, args.seed, index)]
+    return model, optimizer, shape, classes
 
+
+def make_train_step(tf, strategy, model, optimizer, replicas, global_batch):
+    """The tf.function of one step on every replica (the optimizer does the
+    exchange); returns this worker's mean loss, which the caller reads so that
+    the step's time includes its exchange."""
     @tf.function
     def train_step(x, y):
         def replica_step(x, y):
@@ -203,10 +206,29 @@ def main(argv=None):
         per_replica = strategy.run(replica_step, args=(x, y))
         return strategy.experimental_local_results(per_replica)[0]
 
+    return train_step
+
+
+def make_barrier(tf, strategy):
+    """A tf.function that returns once every worker has called it: none leaves while peers still need it."""
     @tf.function
     def barrier():
         return strategy.reduce(tf.distribute.ReduceOp.SUM, strategy.run(lambda: tf.constant(1.0)), axis=None)
 
+    return barrier
+
+
+def traffic_delta(before, after):
+    """{'sent', 'received'} between two counter reads, or None where either read failed."""
+    if before is None or after is None:
+        return None
+    return {"sent": after[0] - before[0], "received": after[1] - before[1]}
+
+
+def measure(args, train_step, barrier, batches):
+    """Warm-up steps, then the timed steps between two reads of the traffic
+    counters (so the counts cover only those), then a barrier. Returns the
+    measured fields of the result: step_times, losses, ready_s, iface, wire, tcp."""
     losses, times = [], []
     for step in range(args.warmup):
         losses.append(float(train_step(*batches[step % len(batches)]).numpy()))
@@ -218,35 +240,72 @@ def main(argv=None):
         times.append(time.perf_counter() - start)
     iface_after, tcp_after = read_iface(args.iface), read_tcp(os.getpid())
     barrier().numpy()
+    return {"step_times": times, "losses": losses, "ready_s": warm_s,
+            "iface": args.iface or None, "wire": traffic_delta(iface_before, iface_after),
+            "tcp": traffic_delta(tcp_before, tcp_after)}
 
-    def delta(before, after):
-        if before is None or after is None:
-            return None
-        return {"sent": after[0] - before[0], "received": after[1] - before[1]}
 
+def estimate_bytes(tf_topk, optimizer, density, params, replicas):
+    """Bytes per step the exchange should send (TopKOptimizer's own count, or a
+    ring all-reduce's for dense), for comparison with the measured traffic."""
     stats = optimizer.compression_stats() if density is not None else {}
     dense_bytes = tf_topk.communicator.ring_all_reduce_bytes(4.0 * params, replicas)
-    result = {
-        "index": index, "config": args.config, "model": args.model, "params": params,
-        "replicas": replicas, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
-        "step_times": times, "losses": losses, "ready_s": warm_s,
-        "iface": args.iface or None, "wire": delta(iface_before, iface_after),
-        "tcp": delta(tcp_before, tcp_after),
-        "estimated_bytes_sent": stats.get("bytes_sent", dense_bytes),
-        "estimated_bytes_dense": dense_bytes,
-        "compression_stats": stats,
-        "tf_version": tf.__version__, "keras_version": keras.__version__,
-    }
-    path = os.path.join(args.out, f"result_{index}.json")
+    return {"estimated_bytes_sent": stats.get("bytes_sent", dense_bytes),
+            "estimated_bytes_dense": dense_bytes,
+            "compression_stats": stats}
+
+
+def write_result(out, index, result):
+    """result_<index>.json in `out`, written whole (through a rename): the benchmark reads it once it appears."""
+    path = os.path.join(out, f"result_{index}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
-    print(f"worker {index}: {args.config} median step {sorted(times)[len(times) // 2]:.3f}s", flush=True)
-    sys.stderr.flush()
-    # Let peers finish pulling this worker's last buffers, then skip TF's
-    # teardown (a gRPC server shutting down under MWMS can hang).
+
+
+def exit_without_teardown():
+    """Let peers finish pulling this worker's last buffers, then skip TF's
+    teardown (a gRPC server shutting down under MWMS can hang)."""
     time.sleep(1.5)
     os._exit(0)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    die_with_parent(args.parent_pid)
+    density = parse_config(args.config)
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+
+    import numpy as np
+    import tensorflow as tf
+
+    strategy = start_strategy(tf, args)  # before any other TF work
+    import keras
+
+    import tf_topk
+
+    replicas = strategy.num_replicas_in_sync
+    model, optimizer, shape, classes = build_training(keras, tf_topk, strategy, args, density)
+    params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+    global_batch = args.batch_size * replicas
+    batches = [(tf.constant(x), tf.constant(y)) for x, y in
+               make_batches(np, shape, classes, args.batch_size, args.seed, index)]
+    train_step = make_train_step(tf, strategy, model, optimizer, replicas, global_batch)
+    barrier = make_barrier(tf, strategy)
+
+    measured = measure(args, train_step, barrier, batches)
+    result = {
+        "index": index, "config": args.config, "model": args.model, "params": params,
+        "replicas": replicas, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
+        **measured,
+        **estimate_bytes(tf_topk, optimizer, density, params, replicas),
+        "tf_version": tf.__version__, "keras_version": keras.__version__,
+    }
+    write_result(args.out, index, result)
+    times = measured["step_times"]
+    print(f"worker {index}: {args.config} median step {sorted(times)[len(times) // 2]:.3f}s", flush=True)
+    sys.stderr.flush()
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

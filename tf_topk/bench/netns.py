@@ -33,6 +33,8 @@ import signal
 import subprocess
 import time
 
+from tf_topk.launch import pid_alive
+
 PREFIX = "tftopk-e2e-"
 SUBNET_PREFIX = "10.213.0"  # the /24 used inside the namespaces, nowhere else
 WORKER_IFACE = "eth0"
@@ -102,15 +104,6 @@ def namespace_pids(name):
     return [int(p) for p in proc.stdout.split() if p.isdigit()]
 
 
-def _pid_alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 def remove_namespace(name, grace_s=3.0):
     """Kill every process inside namespace `name` (TERM, then KILL), then delete it.
 
@@ -127,7 +120,7 @@ def remove_namespace(name, grace_s=3.0):
                 pass
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
         while time.monotonic() < deadline:
-            pids = [p for p in namespace_pids(name) if _pid_alive(p)]
+            pids = [p for p in namespace_pids(name) if pid_alive(p)]
             if not pids:
                 break
             time.sleep(0.05)
@@ -162,7 +155,7 @@ def cleanup_stale(include_live=False):
         if parsed is None:
             owner_alive = False  # our prefix, a malformed name: a leftover of an older version
         else:
-            owner_alive = parsed[0] != os.getpid() and _pid_alive(parsed[0])
+            owner_alive = parsed[0] != os.getpid() and pid_alive(parsed[0])
         if owner_alive and not include_live:
             continue
         problems.extend(remove_namespace(name))

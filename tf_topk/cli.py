@@ -1,0 +1,31 @@
+"""argparse types shared by the examples and benchmarks (standard library only,
+so a script can parse its arguments before TensorFlow starts)."""
+
+import argparse
+
+
+def positive_int(text):
+    """An integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def density(text):
+    """A density in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def densities(text):
+    """Comma-separated densities, each in (0, 1]."""
+    values = [density(v) for v in text.split(",") if v.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated densities, got {text!r}")
+    return values
