@@ -28,7 +28,6 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CC_DIR = os.path.join(ROOT, "cc")
 DEFAULT_OUTPUT = os.path.join(ROOT, "tf_topk", "_tf_topk_ops.so")
-REBUILD_COMMAND = "pip install --no-build-isolation -e . (or: python cc/build_ops.py)"
 
 # GPU architectures (compute capabilities) with machine code in the library:
 # every one that CUDA 13's nvcc still builds from Turing on (T4 7.5, A100 8.0,
