@@ -96,11 +96,6 @@ def check_bucket_bytes(bucket_bytes):
         raise ValueError(f"bucket_bytes must be None or an int >= 8, got {bucket_bytes!r}")
 
 
-def is_sparsified(variable, min_size=DEFAULT_MIN_SIZE):
-    """Whether a variable's gradient takes the sparse path (else the dense all-reduce)."""
-    return _flat_size(variable.shape) >= min_size
-
-
 class SparseExchange(tf.Module):
     """Top-k sparsified, error-compensated exchange of gradients between replicas.
 
