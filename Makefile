@@ -17,8 +17,9 @@ PYTEST_ARGS ?=
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(INSTALLED): requirements.txt | $(PY)
+$(INSTALLED): requirements.txt requirements-no-deps.txt | $(PY)
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-no-deps.txt
 	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $@
 

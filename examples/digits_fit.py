@@ -8,6 +8,11 @@ Two local workers (MultiWorkerMirroredStrategy through TF_CONFIG):
     python -m tf_topk.launch --workers 2 examples/digits_fit.py --density 0.01 --epochs 5
 The dense baseline (the inner optimizer alone, dense all-reduce):
     python -m tf_topk.launch --workers 2 examples/digits_fit.py --dense
+Resume after a failure: back up every epoch, restart all workers when one dies:
+    python -m tf_topk.launch --workers 2 --restarts 3 examples/digits_fit.py --backup-dir /tmp/digits_backup
+Momentum SGD at density 0.001 with momentum correction (DGC) and its warm-up:
+    python -m tf_topk.launch --workers 2 examples/digits_fit.py --momentum 0.9 --momentum-correction \
+        --density 0.001 --warmup-epochs 4
 
 Prints per-epoch progress, the test accuracy, the bytes each worker sends per
 step and the median step time. `--out DIR` writes worker<i>.json (results) and
@@ -29,7 +34,12 @@ def parse_args(argv=None):
     parser.add_argument("--dense", action="store_true", help="train with the plain optimizer (dense all-reduce)")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--momentum", type=float, default=0.0,
-                        help="SGD momentum (0 by default: plain momentum delays sparsified updates further, see README)")
+                        help="SGD momentum (0 by default: without --momentum-correction, momentum delays "
+                             "sparsified updates further, see README)")
+    parser.add_argument("--momentum-correction", action="store_true",
+                        help="DGC's momentum correction: the exchange applies --momentum per replica")
+    parser.add_argument("--warmup-epochs", type=int, default=0,
+                        help="DGC density warm-up over this many epochs, down to --density")
     parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.3 for sgd, 0.002 for adam")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32, help="global batch size")
@@ -40,12 +50,19 @@ def parse_args(argv=None):
                         help="mixed_float16 policy (Keras wraps the optimizer in LossScaleOptimizer)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="folder for worker<i>.json and worker<i>.npz")
+    parser.add_argument("--backup-dir", default=None,
+                        help="back up each epoch there with tf_topk.keras.BackupAndRestore (the same folder "
+                             "for every worker); a restarted run resumes from it")
     parser.add_argument("--verbose", type=int, default=2, help="Keras verbosity on the chief (0, 1, 2)")
     args = parser.parse_args(argv)
     if not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}")
     if args.epochs < 1 or args.batch_size < 1:
         parser.error("--epochs and --batch-size must be >= 1")
+    if args.momentum_correction and (args.optimizer != "sgd" or args.momentum <= 0):
+        parser.error("--momentum-correction needs --optimizer sgd and --momentum > 0")
+    if args.warmup_epochs < 0:
+        parser.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if args.logical_cpus and "TF_CONFIG" in os.environ:
         parser.error("--logical-cpus is for single-process runs; under the launcher each worker has one replica")
     return args
@@ -113,20 +130,31 @@ def main(argv=None):
             inner = keras.optimizers.SGD(args.learning_rate or 0.3, momentum=args.momentum)
         else:
             inner = keras.optimizers.Adam(args.learning_rate or 0.002)
-        optimizer = inner if args.dense else tf_topk.TopKOptimizer(inner, density=args.density,
-                                                                   method=args.method)
+        density = args.density
+        if args.warmup_epochs:
+            steps_per_epoch = -(-len(x_train) // args.batch_size)
+            density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=args.density)
+        optimizer = inner if args.dense else tf_topk.TopKOptimizer(
+            inner, density=density, method=args.method, momentum_correction=args.momentum_correction)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"],
                       jit_compile=False)  # the selection op has no XLA kernel (Keras's default on a GPU)
     timer = StepTimer()
     callbacks = [timer] if args.dense else [timer, tf_topk.keras.CompressionStats()]
+    backup = tf_topk.keras.BackupAndRestore(args.backup_dir) if args.backup_dir else None
+    if backup is not None:
+        callbacks.insert(0, backup)  # restores before the other callbacks start
     if chief:
-        mode = "dense all-reduce" if args.dense else f"TopK density {args.density} ({args.method})"
+        mode = "dense all-reduce" if args.dense else (
+            f"TopK density {args.density} ({args.method}" + (", momentum correction)" if args.momentum_correction
+                                                            else ")"))
         print(f"{args.dataset}: {len(x_train)} train / {len(x_test)} test, {model.count_params()} parameters, "
               f"{replicas} replica(s), {mode}", flush=True)
     history = model.fit(x_train, y_train, epochs=args.epochs, batch_size=args.batch_size,
                         verbose=args.verbose if chief else 0, callbacks=callbacks)
+    if chief and backup is not None and backup.restored_epoch is not None:
+        print(f"resumed from the backup in {args.backup_dir} at epoch {backup.restored_epoch + 1}", flush=True)
     test_loss, test_accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
 
     params = model.count_params()

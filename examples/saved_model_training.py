@@ -1,10 +1,12 @@
-"""Training inside a SavedModel: weights, optimizer state and error-feedback residuals travel together.
+"""Training inside a SavedModel: weights, step and the exchange's state travel together.
 
-A `tf.Module` owns a small MLP for scikit-learn's digits, SGD-with-momentum
-state, and a `tf_topk.SparseExchange` (so its residuals are saved too). Its
-`train_step` signature computes gradients, runs top-k selection with error
-feedback (one replica, no strategy: nothing is sent, but what is not applied
-this step waits in the residual), applies the update and returns the loss.
+A `tf.Module` owns a small MLP for scikit-learn's digits and a
+`tf_topk.SparseExchange` with momentum correction (so its residuals and
+velocities are saved too). Its `train_step` signature computes gradients, runs
+top-k selection of the accumulated velocity (one replica, no strategy:
+nothing is sent, but what is not applied this step waits in the residual),
+applies the result with plain SGD (the exchange applied the momentum) and
+returns the loss.
 
     python examples/saved_model_training.py train --steps 100 --export /tmp/digits_sm
     python examples/saved_model_training.py resume --steps 100 --export /tmp/digits_sm
@@ -104,14 +106,13 @@ def make_module(args):
             self.w2 = tf.Variable(init(seed=seed + 1)([HIDDEN, CLASSES]), name="w2")
             self.b2 = tf.Variable(tf.zeros([CLASSES]), name="b2")
             self.params = [self.w1, self.b1, self.w2, self.b2]
-            self.velocity = [tf.Variable(tf.zeros_like(p), trainable=False, name=f"velocity_{i}")
-                             for i, p in enumerate(self.params)]
             self.step = tf.Variable(0, dtype=tf.int64, trainable=False, name="step")
             self.seed = tf.Variable(seed, dtype=tf.int64, trainable=False, name="seed")  # batch order on resume
             self.learning_rate = learning_rate
-            self.momentum = momentum
-            # w1 (16384 entries) is sparsified; the small ones take the dense path.
-            self.exchange = tf_topk.SparseExchange(self.params, density=density, method=method)
+            # w1 (16384 entries) is sparsified; the small ones take the dense path. The
+            # exchange keeps the momentum (DGC's momentum correction; none for momentum 0).
+            self.exchange = tf_topk.SparseExchange(self.params, density=density, method=method,
+                                                   momentum=momentum or None)
 
         def logits(self, x):
             hidden = tf.nn.relu(tf.matmul(x, self.w1) + self.b1)
@@ -120,16 +121,15 @@ def make_module(args):
         @tf.function(input_signature=[tf.TensorSpec([None, FEATURES], tf.float32),
                                       tf.TensorSpec([None], tf.int32)])
         def train_step(self, x, y):
-            """One SGD-with-momentum step on the selected (error-compensated) gradient."""
+            """One momentum-corrected step: plain SGD on what the exchange returns."""
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, self.logits(x)))
             grads = tape.gradient(loss, self.params)
             result = self.exchange(grads, step=self.step)
 
             def apply():
-                for param, velocity, grad in zip(self.params, self.velocity, result.grads):
-                    velocity.assign(self.momentum * velocity + grad)
-                    param.assign_sub(self.learning_rate * velocity)
+                for param, grad in zip(self.params, result.grads):
+                    param.assign_sub(self.learning_rate * grad)
                 self.step.assign_add(1)
                 return tf.constant(True)
 

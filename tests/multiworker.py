@@ -66,6 +66,37 @@ def load_weights(path: Path) -> list:
         return [data[f"arr_{i}"] for i in range(len(data.files))]
 
 
+def kill_when_written(process, pid_file: Path, timeout: float = 100.0) -> None:
+    """SIGKILL the pid a worker writes to `pid_file` once it appears, while `process` (the launcher) runs.
+
+    The worker writes its pid when it reaches the step to be killed at (and waits there), so the
+    kill lands mid-training at a known point, from outside, as a machine failure would.
+    """
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pid_file.exists():
+        assert process.poll() is None, f"the launcher exited with {process.returncode} before {pid_file} appeared"
+        assert time.monotonic() < deadline, f"{pid_file} did not appear within {timeout:g} s"
+        time.sleep(0.05)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def kill_recorded_workers(out: Path) -> None:
+    """SIGKILL the process group of every worker that recorded its pid in `out/attempt*_worker*.json`
+    and is still alive: whatever happened, no worker of a test outlives it."""
+    import signal
+
+    for path in out.glob("attempt*_worker*.json"):
+        pid = load_json(path)["pid"]
+        if pid_alive(pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def wait_dead(pids, timeout: float = 5.0) -> list:
     """Wait until none of `pids` is alive; return those still alive at the deadline."""
     import time

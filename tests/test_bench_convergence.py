@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import statistics
 import struct
 import subprocess
@@ -113,3 +114,43 @@ def test_tiny_run_json_and_plot(tmp_path, dataset):
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     check_result(json.loads(proc.stdout), dataset, png)
+
+
+def run_convergence(*args, timeout=240):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    return subprocess.run([sys.executable, "-m", "tf_topk.bench", "convergence", *args], cwd=REPO_ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_shapes_cnn_with_momentum_correction_and_warmup(tmp_path):
+    proc = run_convergence("--dataset", "shapes", "--seeds", "1", "--epochs", "3", "--densities", "0.01",
+                           "--methods", "topk_ef,topk_mc", "--warmup-epochs", "1", "--learning-rate", "0.02",
+                           "--json", "--plot", str(tmp_path / "curves.png"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["model"] == "CNN conv16-conv32-64-10" and result["warmup_epochs"] == 1
+    # conv 16*9+16, conv 32*16*9+32, dense 512*64+64, output 64*10+10
+    assert result["params"] == 160 + 4640 + 32832 + 650
+    assert [r["method"] for r in result["configs"]] == ["dense", "topk_ef", "topk_mc"]
+    for row in result["configs"]:
+        # 10 glyph classes (chance 0.1): a CNN learns them in 3 epochs (measured: 0.5 to 0.7).
+        assert row["test_accuracy_mean"] > 0.3, row
+    for row in result["configs"][1:]:
+        # After the one-epoch warm-up the last step sends density 0.01 of the two large kernels.
+        k = math.ceil(0.01 * 4608) + math.ceil(0.01 * 32768)
+        assert row["sent_density"] == pytest.approx(k / (4608 + 32768), abs=2e-4), row
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("args,message", [
+    (("--methods", "topk_mc", "--optimizer", "adam"), "topk_mc .* needs --optimizer sgd with --momentum > 0"),
+    (("--methods", "topk_mc", "--momentum", "0"), "topk_mc .* needs --optimizer sgd with --momentum > 0"),
+    (("--warmup-epochs", "-1"), "--warmup-epochs must be >= 0, got -1"),
+])
+def test_bad_arguments_are_refused_before_training(args, message):
+    proc = run_convergence(*args, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert re.search(message, proc.stderr), proc.stderr[-2000:]

@@ -6,7 +6,7 @@ import pytest
 from tf_topk.bench.data import load_data
 
 
-@pytest.mark.parametrize("name,features", [("digits", 64), ("synthetic", 64)])
+@pytest.mark.parametrize("name,features", [("digits", 64), ("synthetic", 64), ("shapes", 256)])
 def test_offline_data_sets_split_and_types(name, features):
     x_train, y_train, x_test, y_test = load_data(name, seed=3)
     assert x_train.dtype == x_test.dtype == np.float32 and y_train.dtype == y_test.dtype == np.int32
@@ -25,3 +25,15 @@ def test_offline_data_sets_split_and_types(name, features):
 def test_unknown_data_set_is_named():
     with pytest.raises(ValueError, match=r"dataset must be one of .*'imagenet'"):
         load_data("imagenet")
+
+
+def test_shapes_draw_each_class_glyph_somewhere_in_the_image():
+    """Averaged over its images, a class's glyph stands out of the noise (about 0 on average)."""
+    from tf_topk.bench.data import SHAPES_SIZE, make_shapes
+
+    x, y = make_shapes(2000, seed=0)
+    assert x.shape == (2000, SHAPES_SIZE * SHAPES_SIZE)
+    images = x.reshape(-1, SHAPES_SIZE, SHAPES_SIZE)
+    totals = [images[y == c].sum(axis=(1, 2)).mean() for c in range(10)]
+    # The filled square (class 3) has the most ink, the cross (class 1) among the least.
+    assert int(np.argmax(totals)) == 3 and totals[3] > 2 * totals[1] > 0

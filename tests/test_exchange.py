@@ -1,5 +1,8 @@
 """SparseExchange across two replicas (MirroredStrategy, two logical CPUs) against numpy.
 
+Plain error feedback (two bucketings) and momentum correction (DGC: plain,
+and Nesterov with local clipping) over several steps.
+
 The exchange runs in a subprocess (logical devices must be set before
 TensorFlow starts): tests/workers/exchange_replicas.py writes what every
 replica returned; here it is compared with the algorithm written in numpy.
@@ -17,7 +20,14 @@ import pytest
 from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
 
 SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
-MIN_SIZE, DENSITY, REPLICAS, STEPS = 1000, 0.01, 2, 2
+MIN_SIZE, DENSITY, REPLICAS, STEPS = 1000, 0.01, 2, 3
+MOMENTUM = 0.9
+# A replica's gradients (standard normal, 7300 entries) have a norm of about 85:
+# clipped to 60 / sqrt(2) they are clipped at every step.
+LOCAL_CLIPNORM = 60.0
+PLAIN_RUNS = ("one_bucket", "per_variable")
+DGC_RUNS = {"dgc": dict(nesterov=False, clipnorm=None),
+            "dgc_nesterov_clip": dict(nesterov=True, clipnorm=LOCAL_CLIPNORM)}
 SPARSE = [v for v, shape in enumerate(SHAPES) if math.prod(shape) >= MIN_SIZE]
 
 
@@ -50,12 +60,61 @@ def reference(data):
     return steps
 
 
+def dgc_reference(data, nesterov, clipnorm):
+    """Momentum correction with masking, as Lin et al. (DGC) define it.
+
+    Per step: the summed gradients, and each replica's residuals, velocities
+    and dense-path velocities after it.
+    """
+    sizes = [math.prod(shape) for shape in SHAPES]
+    residuals = [[np.zeros(sizes[v], np.float32) for v in SPARSE] for _ in range(REPLICAS)]
+    velocities = [[np.zeros(sizes[v], np.float32) for v in SPARSE] for _ in range(REPLICAS)]
+    dense = [v for v in range(len(SHAPES)) if v not in SPARSE]
+    dense_velocities = [np.zeros(sizes[v], np.float32) for v in dense]
+    steps = []
+    for s in range(STEPS):
+        summed = [np.zeros(size, np.float32) for size in sizes]
+        for r in range(REPLICAS):
+            grads = [data[f"input/step{s}/replica{r}/grad{v}"].reshape(-1) for v in range(len(SHAPES))]
+            if clipnorm is not None:
+                limit = clipnorm / math.sqrt(REPLICAS)
+                norm = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in grads))
+                grads = [g * limit / max(norm, limit) for g in grads]
+            for v in range(len(SHAPES)):
+                if v not in SPARSE:
+                    summed[v] += grads[v]
+                    continue
+                slot = SPARSE.index(v)
+                u = velocities[r][slot]
+                if nesterov:
+                    u = MOMENTUM * (u + grads[v])
+                    accumulated = residuals[r][slot] + u + grads[v]
+                else:
+                    u = MOMENTUM * u + grads[v]
+                    accumulated = residuals[r][slot] + u
+                sent = top_k_magnitude(accumulated, math.ceil(DENSITY * accumulated.size))
+                residuals[r][slot] = accumulated - sent
+                velocities[r][slot] = np.where(sent != 0, 0.0, u).astype(np.float32)  # masking
+                summed[v] += sent
+        for slot, v in enumerate(dense):
+            if nesterov:
+                dense_velocities[slot] = MOMENTUM * (dense_velocities[slot] + summed[v])
+                summed[v] = dense_velocities[slot] + summed[v]
+            else:
+                dense_velocities[slot] = MOMENTUM * dense_velocities[slot] + summed[v]
+                summed[v] = dense_velocities[slot].copy()
+        steps.append((summed, [list(rs) for rs in residuals], [list(us) for us in velocities],
+                      [u.copy() for u in dense_velocities]))
+    return steps
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     """Everything the worker script wrote, by name."""
     path = tmp_path_factory.mktemp("exchange") / "replicas.npz"
     env = {**os.environ, **worker_env()}
-    config = json.dumps(dict(shapes=SHAPES, min_size=MIN_SIZE, density=DENSITY, replicas=REPLICAS, steps=STEPS))
+    config = json.dumps(dict(shapes=SHAPES, min_size=MIN_SIZE, density=DENSITY, replicas=REPLICAS, steps=STEPS,
+                             momentum=MOMENTUM, local_clipnorm=LOCAL_CLIPNORM))
     proc = subprocess.run([sys.executable, str(WORKERS_DIR / "exchange_replicas.py"), str(path), config],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -68,7 +127,7 @@ def test_bucket_count(data, label, buckets):
     assert int(data[f"{label}/num_buckets"]) == buckets
 
 
-@pytest.mark.parametrize("label", ["one_bucket", "per_variable"])
+@pytest.mark.parametrize("label", PLAIN_RUNS)
 def test_sum_over_replicas_and_residuals_match_numpy(data, label):
     for s, (summed, residuals) in enumerate(reference(data)):
         for r in range(REPLICAS):
@@ -84,13 +143,41 @@ def test_sum_over_replicas_and_residuals_match_numpy(data, label):
     assert np.abs(residuals[0][0]).sum() > 0
 
 
+@pytest.mark.parametrize("label", list(DGC_RUNS))
+def test_momentum_correction_matches_numpy_over_several_steps(data, label):
+    close = dict(rtol=2e-5, atol=2e-5)
+    for s, (summed, residuals, velocities, dense_velocities) in enumerate(dgc_reference(data, **DGC_RUNS[label])):
+        for r in range(REPLICAS):
+            prefix = f"{label}/step{s}/replica{r}"
+            for v in range(len(SHAPES)):
+                np.testing.assert_allclose(data[f"{prefix}/grad{v}"].reshape(-1), summed[v], **close,
+                                           err_msg=f"step {s} replica {r} variable {v}")
+            for slot in range(len(SPARSE)):
+                np.testing.assert_allclose(data[f"{prefix}/residual{slot}"].reshape(-1), residuals[r][slot], **close)
+                np.testing.assert_allclose(data[f"{prefix}/velocity{slot}"].reshape(-1), velocities[r][slot], **close)
+            for slot, velocity in enumerate(dense_velocities):
+                np.testing.assert_allclose(data[f"{prefix}/dense_velocity{slot}"].reshape(-1), velocity, **close)
+    # Masking is visible: sent entries have no velocity left, the others keep it.
+    sent = data[f"{label}/step{STEPS - 1}/replica0/residual0"] == 0
+    velocity = data[f"{label}/step{STEPS - 1}/replica0/velocity0"]
+    assert np.all(velocity[sent] == 0) and np.count_nonzero(velocity[~sent]) > 0.9 * np.count_nonzero(~sent)
+
+
+def test_momentum_correction_differs_from_plain_error_feedback(data):
+    """The reference could not pass by accident: with momentum the sums are not EF's."""
+    last = STEPS - 1
+    assert not np.allclose(data[f"dgc/step{last}/replica0/grad0"], data[f"one_bucket/step{last}/replica0/grad0"])
+
+
 def test_every_replica_and_every_bucketing_get_bitwise_the_same_sum(data):
     for s in range(STEPS):
         for v in range(len(SHAPES)):
-            first = data[f"one_bucket/step{s}/replica0/grad{v}"]
-            for label in ("one_bucket", "per_variable"):
-                for r in range(REPLICAS):
+            for label in (*PLAIN_RUNS, *DGC_RUNS):
+                first = data[f"{label}/step{s}/replica0/grad{v}"]
+                for r in range(1, REPLICAS):
                     np.testing.assert_array_equal(data[f"{label}/step{s}/replica{r}/grad{v}"], first)
+            np.testing.assert_array_equal(data[f"per_variable/step{s}/replica0/grad{v}"],
+                                          data[f"one_bucket/step{s}/replica0/grad{v}"])
 
 
 def test_replicas_keep_their_own_residuals(data):

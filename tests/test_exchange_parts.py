@@ -75,7 +75,7 @@ def test_error_feedback_memory_over_several_steps():
     k = 30
     for step in range(4):
         grad = rng.standard_normal((6, 50)).astype(np.float32)
-        accumulated = memory.compensate(0, tf.constant(grad))
+        accumulated = memory.compensate(0, tf.constant(grad), tf.constant(True))
         np.testing.assert_allclose(accumulated.numpy(), grad.reshape(-1) + expected, rtol=1e-6)
         values, indices = TopKSelector("exact").select(accumulated, k)
         keep = tf.constant(step != 2)  # step 2: as if a replica had a NaN
@@ -99,7 +99,7 @@ def test_no_memory_keeps_nothing():
     memory = NoMemory()
     memory.build([tf.Variable(tf.zeros([10]))], make_state_variable)
     assert memory.state_variables == [] and not memory.keeps_unsent
-    accumulated = memory.compensate(0, tf.constant(np.arange(10, dtype=np.float64)))
+    accumulated = memory.compensate(0, tf.constant(np.arange(10, dtype=np.float64)), tf.constant(True))
     assert accumulated.dtype == tf.float32
     remaining = memory.update(0, accumulated, tf.constant([9.0]), tf.constant([9]), tf.constant(True))
     np.testing.assert_array_equal(remaining.numpy(), np.r_[np.arange(9), 0].astype(np.float32))
@@ -165,7 +165,7 @@ class LargestPositiveSelector:
 class DecayingMemory(ErrorFeedbackMemory):
     """A memory in a few lines: error feedback whose residual decays by half each step."""
 
-    def compensate(self, slot, grad):
+    def compensate(self, slot, grad, keep):
         residual = self.residuals[slot]
         return tf.reshape(tf.cast(grad, residual.dtype), [-1]) + 0.5 * tf.reshape(residual, [-1])
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import tensorflow as tf
 
-from tf_topk.schedule import DensitySchedule
+from tf_topk.schedule import DensitySchedule, dgc_warmup
 
 
 def test_constant_density_gives_a_python_int_k():
@@ -76,3 +76,29 @@ def test_config_round_trip():
 def test_bad_densities_name_the_value(density, message):
     with pytest.raises(ValueError, match=message):
         DensitySchedule(density)
+
+
+def test_dgc_warmup_falls_exponentially_per_epoch_to_the_final_density():
+    pairs = dgc_warmup(100, epochs=4, final=0.001)
+    assert [step for step, _ in pairs] == [0, 100, 200, 300, 400]
+    densities = [d for _, d in pairs]
+    assert densities[0] == 0.25 and densities[-1] == 0.001
+    ratios = [b / a for a, b in zip(densities, densities[1:])]
+    assert max(ratios) == pytest.approx(min(ratios)) == pytest.approx((0.001 / 0.25) ** 0.25)
+    schedule = DensitySchedule(pairs)  # a valid schedule
+    assert schedule.k(10_000, tf.constant(250)) == math.ceil(densities[2] * 10_000)
+    assert schedule.k(10_000, tf.constant(10_000)) == 10
+    assert dgc_warmup(50, epochs=0, final=0.01) == [(0, 0.01)]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(steps_per_epoch=0), "steps_per_epoch must be an int >= 1, got 0"),
+    (dict(steps_per_epoch=10.5), "steps_per_epoch must be an int >= 1, got 10.5"),
+    (dict(steps_per_epoch=10, epochs=-1), "epochs must be an int >= 0, got -1"),
+    (dict(steps_per_epoch=10, final=0.0), r"final must be in \(0, 1\], got 0.0"),
+    (dict(steps_per_epoch=10, initial=2.0), r"initial must be in \(0, 1\], got 2.0"),
+    (dict(steps_per_epoch=10, final=0.5), r"final \(0.5\) must not exceed initial \(0.25\)"),
+])
+def test_dgc_warmup_refuses_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dgc_warmup(**kwargs)

@@ -6,20 +6,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from sklearn.datasets import load_digits
+
+from digits_models import digits, mlp
 
 import tf_topk
 from tf_topk.keras.callbacks import CompressionStats
-
-
-def digits(n=512):
-    x, y = load_digits(return_X_y=True)
-    return (x[:n] / 16.0).astype("float32"), y[:n].astype("int32")
-
-
-def mlp(seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
 
 
 def compile_fit(model, optimizer, x, y, epochs=2, **fit_kwargs):

@@ -5,7 +5,10 @@ communicator). It owns the collectives: the packed dense all-reduce (small
 variables and the non-finite flag, one call per step) and the exchange of
 one bucket of (value, index) pairs, which must return the same dense sum on
 every replica. It also says how many bytes a worker sends for that, since
-that depends on the collectives it uses.
+that depends on the collectives it uses. `AllGatherCommunicator` gathers
+every replica's own pairs; `AgreedIndexCommunicator` also sums values at
+indices all replicas agreed on, with all-reduces only, and `choose_mode`
+picks per bucket from the volume formulas (`mode_bytes`).
 
 Values travel as float32 whatever the variable's dtype: float64 variables
 keep float64 residuals and a float64 dense path, but their selected entries
@@ -56,3 +59,84 @@ class AllGatherCommunicator:
 
     def __repr__(self):
         return "AllGatherCommunicator()"
+
+
+# -- volumes and the choice of exchange -------------------------------------------------------
+
+MODES = ("dense", "allgather", "allreduce")
+MODE_CODES = {mode: float(code) for code, mode in enumerate(MODES)}  # the "exchange_mode" statistic
+
+
+def mode_bytes(mode, pairs, entries, replicas):
+    """Bytes a worker sends per step to exchange one bucket of `entries`
+    entries with `pairs` selected (value, index) pairs, in `mode`:
+
+      dense:     ring all-reduce of every entry        2(P-1)/P * 4n
+      allgather: its pairs to every other replica      (P-1) * 8k
+      allreduce: ring all-reduce of k agreed indices,
+                 then of the k values there            2 * 2(P-1)/P * 4k
+
+    allreduce stays below 16k whatever P; allgather grows with P.
+    """
+    if mode == "dense":
+        return ring_all_reduce_bytes(4.0 * entries, replicas)
+    if mode == "allgather":
+        return (replicas - 1) * 8.0 * pairs
+    if mode == "allreduce":
+        return 2.0 * ring_all_reduce_bytes(4.0 * pairs, replicas)
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def choose_mode(replicas, pairs, entries, modes=MODES):
+    """The mode among `modes` that sends the fewest bytes (ties: the earlier
+    of allgather, allreduce, dense: each replica's own top-k is the better
+    selection, and the sparse modes keep residuals)."""
+    order = [m for m in ("allgather", "allreduce", "dense") if m in modes]
+    if not order:
+        raise ValueError(f"modes must hold at least one of {MODES}, got {modes!r}")
+    return min(order, key=lambda m: mode_bytes(m, pairs, entries, replicas))
+
+
+class AgreedIndexCommunicator(AllGatherCommunicator):
+    """All replicas sum their values at ONE agreed index set, by ring all-reduce.
+
+    ScaleCom's cyclic local top-k (Chen et al., NeurIPS 2020): at step t the
+    leader replica t mod P selects its top-k, the indices reach every replica
+    in one all-reduce of an int32 buffer that is zero except on the leader
+    (index + 1; 0 marks a spare slot), and every replica then sends its own
+    accumulated values at those indices through a second all-reduce. Each
+    all-reduce moves 2(P-1)/P * 4k bytes per worker, so the total,
+    16k(P-1)/P, stays below 16k as P grows, where an all_gather of the pairs
+    moves (P-1) * 8k. A ring broadcast would halve the agreement, but
+    tf.distribute's replica context offers none; an all_gather of the
+    leader's indices alone would pad every replica's part to k and grow
+    with P again; and only all-reduces ride NCCL on GPUs. Error feedback stays exact: a
+    replica keeps in its residual everything but what it contributed at the
+    agreed indices.
+
+    Also does everything AllGatherCommunicator does, so the exchange's
+    "auto" mode can choose per bucket.
+    """
+
+    def agree_indices(self, context, indices, valid, leader):
+        """The leader's `indices` (int32 [K]) on every replica, and where they
+        are real (its `valid`, bool [K]); spare slots come back as index 0."""
+        if context.num_replicas_in_sync == 1:
+            return tf.where(valid, indices, 0), valid
+        is_leader = tf.equal(tf.cast(context.replica_id_in_sync_group, tf.int32), tf.cast(leader, tf.int32))
+        code = tf.where(tf.logical_and(is_leader, valid), indices + 1, 0)
+        summed = context.all_reduce(tf.distribute.ReduceOp.SUM, code)
+        return tf.maximum(summed - 1, 0), summed > 0
+
+    def sum_values(self, context, values, indices, size):
+        """The dense float32 [size] scatter of the SUM over replicas of
+        `values` (float32 [K]), all taken at the same `indices` (None: all
+        entries, in order)."""
+        if context.num_replicas_in_sync > 1:
+            values = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+        if indices is None:
+            return values
+        return tf.tensor_scatter_nd_add(tf.zeros([size], tf.float32), tf.expand_dims(indices, 1), values)
+
+    def __repr__(self):
+        return "AgreedIndexCommunicator()"

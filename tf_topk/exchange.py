@@ -5,7 +5,10 @@ feedback), select k entries with the op, keep the rest in the residual; pack
 the (value, index) pairs of all sparsified variables of a bucket into one
 float32 buffer (indices bit-cast), exchange it with ONE `all_gather` per bucket,
 and scatter-add every replica's pairs back into a dense SUM, replica by replica
-in a fixed order so that every replica computes bitwise the same result.
+in a fixed order so that every replica computes bitwise the same result. Or
+(`exchange_mode`, chosen by bytes sent by default) all replicas agree on the
+leader replica's indices and all-reduce their values there, or send the
+bucket dense.
 Variables smaller than `min_size` take the ordinary dense all-reduce, all of
 them in one packed call.
 
@@ -43,8 +46,10 @@ import math
 
 import tensorflow as tf
 
-from tf_topk.communicator import AllGatherCommunicator, ring_all_reduce_bytes
-from tf_topk.memory import ErrorFeedbackMemory, NoMemory, make_state_variable
+from tf_topk.communicator import (MODE_CODES, AgreedIndexCommunicator, AllGatherCommunicator, choose_mode,
+                                  mode_bytes, ring_all_reduce_bytes)
+from tf_topk.memory import ErrorFeedbackMemory, MomentumCorrectionMemory, NoMemory, make_state_variable
+from tf_topk.replica_state import keep_replica_values, keeping_replica_values
 from tf_topk.schedule import DensitySchedule
 from tf_topk.selector import TopKSelector
 
@@ -73,7 +78,10 @@ STAT_NAMES = (
     "residual_norm",     # L2 norm of all residuals after the step
     "contraction",       # ||acc - topk(acc)||^2 / ||acc||^2 over sparsified variables
     "random_k_bound",    # 1 - k/d, the contraction random-k selection would give in expectation
+    "exchange_mode",     # 0 dense all-reduce, 1 all_gather, 2 agreed-index all-reduce (mean over buckets)
 )
+
+EXCHANGE_MODES = ("auto", "allgather", "allreduce")
 
 _VariableSpec = collections.namedtuple("_VariableSpec", ["name", "shape", "size", "dtype", "sparse"])
 
@@ -88,6 +96,17 @@ def _flat_size(shape):
 def check_min_size(min_size):
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
         raise ValueError(f"min_size must be an int >= 1, got {min_size!r}")
+
+
+def check_local_clipnorm(local_clipnorm):
+    if local_clipnorm is not None and (isinstance(local_clipnorm, bool) or not isinstance(local_clipnorm, (int, float))
+                                       or not local_clipnorm > 0 or local_clipnorm == float("inf")):
+        raise ValueError(f"local_clipnorm must be None or a finite float > 0, got {local_clipnorm!r}")
+
+
+def check_exchange_mode(exchange_mode):
+    if exchange_mode not in EXCHANGE_MODES:
+        raise ValueError(f"exchange_mode must be one of {EXCHANGE_MODES}, got {exchange_mode!r}")
 
 
 def check_bucket_bytes(bucket_bytes):
@@ -115,42 +134,90 @@ class SparseExchange(tf.Module):
       method: selection method of `tf_topk.approx_topk`: "gaussian" or "exact"
         (the default selector's).
       min_size: variables with fewer entries take the dense all-reduce.
+      exchange_mode: how a bucket's selected entries are summed (statistic
+        "exchange_mode" says which was used):
+        "allgather" (default): each replica's own top-k pairs to every
+          replica, one all_gather; (P-1) * 8k bytes per worker, growing
+          with P.
+        "allreduce": the agreed-index all-reduce
+          (`tf_topk.communicator.AgreedIndexCommunicator`): the leader
+          replica (step mod P) picks the indices, all replicas sum their
+          values there; 16k(P-1)/P bytes per worker, below 16k for any P.
+        "auto": per bucket, whichever of dense all-reduce,
+          "allgather" and "allreduce" sends the fewest bytes
+          (`tf_topk.communicator.choose_mode`): "allgather" at P <= 2,
+          "allreduce" above, dense once k > n/2 (k > n/P at P = 2). Decided
+          when traced; with a scheduled density that can reach the dense
+          side, per step (the residual is then sent in full, so nothing is
+          lost). Never more bytes than the dense all-reduce.
       bucket_bytes: upper bound on the bytes of (value, index) pairs per
         all_gather; None puts all sparsified variables in one all_gather.
         A variable is never split, so a bucket holds at least one.
       error_feedback: keep residuals (default). Without, unsent entries are
         dropped: only for comparisons. (The default memory's choice.)
+      momentum: None (default) or m in (0, 1): momentum correction (DGC,
+        `tf_topk.memory.MomentumCorrectionMemory`): each replica keeps a
+        velocity and sends top-k of its accumulation, and the returned
+        gradients already carry the momentum, so apply them with plain SGD
+        (no momentum in the optimizer). Dense-path variables get ordinary
+        momentum on their sum.
+      nesterov: with `momentum`, DGC's Nesterov variant.
+      momentum_masking: with `momentum`, zero the velocity where sent
+        (default True, as DGC).
+      local_clipnorm: None, or clip each replica's gradients (all of them,
+        by their global norm) to local_clipnorm / sqrt(replicas) before they
+        enter the accumulation, as DGC's local gradient clipping: clipping
+        the exchanged sum instead would act on gradients already delayed in
+        the residuals. Think of it as the global clip norm of the sum.
       residuals: optional pre-made residual variables, one per sparsified
         variable in order; by default the memory makes them with
         `make_state`, so call the constructor in the strategy's scope.
       selector, memory, communicator: the parts, to replace the defaults
-        (TopKSelector(method), ErrorFeedbackMemory or NoMemory,
-        AllGatherCommunicator).
+        (TopKSelector(method); MomentumCorrectionMemory with `momentum`,
+        else ErrorFeedbackMemory or NoMemory; AgreedIndexCommunicator, or
+        AllGatherCommunicator with exchange_mode="allgather"). A communicator
+        without `agree_indices` and `sum_values` only does "allgather".
       make_state: the factory `(variable, dtype, suffix) -> variable` the
         memory makes its per-replica state with (the Keras wrapper passes one
         that makes tracked Keras variables).
     """
 
+    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls"}
+
     def __init__(self, variables, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
                  bucket_bytes=None, error_feedback=True, residuals=None, name="sparse_exchange",
-                 selector=None, memory=None, communicator=None, make_state=None):
+                 selector=None, memory=None, communicator=None, make_state=None, momentum=None,
+                 nesterov=False, momentum_masking=True, local_clipnorm=None, exchange_mode="allgather"):
         super().__init__(name=name)
         variables = list(variables)
         if not variables:
             raise ValueError("variables must be a non-empty list of variables, got []")
         check_min_size(min_size)
         check_bucket_bytes(bucket_bytes)
+        check_local_clipnorm(local_clipnorm)
+        check_exchange_mode(exchange_mode)
+        self.local_clipnorm = local_clipnorm
+        self.exchange_mode = exchange_mode
         self.selector = selector if selector is not None else TopKSelector(method)
         self.method = getattr(self.selector, "method", method)
         self.schedule = DensitySchedule(density)
         self.min_size = min_size
         self.bucket_bytes = bucket_bytes
-        if memory is None:
-            memory = ErrorFeedbackMemory(residuals) if error_feedback else NoMemory()
-        elif residuals is not None:
-            raise ValueError("pass residuals to the memory, not next to it")
-        self.memory = memory
-        self.communicator = communicator if communicator is not None else AllGatherCommunicator()
+        self.memory = self._choose_memory(memory, error_feedback, residuals, momentum, nesterov, momentum_masking)
+        if communicator is None:
+            communicator = AllGatherCommunicator() if exchange_mode == "allgather" else AgreedIndexCommunicator()
+        self.communicator = communicator
+        self._agrees = exchange_mode != "allgather" and hasattr(communicator, "agree_indices")
+        if exchange_mode == "allreduce" and not self._agrees:
+            raise ValueError(f"exchange_mode='allreduce' needs a communicator with agree_indices and sum_values, "
+                             f"got communicator={communicator!r}")
+        # Without a step, the leader of the agreed-index mode rotates with the
+        # number of calls (the same on every replica). Not checkpointed: any
+        # leader is a valid one, and checkpoints stay as they were.
+        object.__setattr__(self, "_calls", tf.Variable(
+            0, dtype=tf.int64, trainable=False, name="exchange_calls",
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) if self._agrees else None)
         # Only static facts about the variables are kept: holding the variables
         # themselves would make them part of this module's checkpoint.
         self._specs = []
@@ -164,12 +231,37 @@ class SparseExchange(tf.Module):
         self.sparse_positions = [i for i, s in enumerate(self._specs) if s.sparse]
         self.dense_positions = [i for i, s in enumerate(self._specs) if not s.sparse]
         self._buckets = self._make_buckets()
-        self.memory.build([variables[i] for i in self.sparse_positions], make_state or make_state_variable)
+        make_state = make_state or make_state_variable
+        # Checkpoints give each replica its own state back (tf_topk.replica_state):
+        # hooked as the state is made, before a pending restore can reach it.
+        with keeping_replica_values():
+            self.memory.build([variables[i] for i in self.sparse_positions], make_state)
+            self.memory.build_dense([variables[i] for i in self.dense_positions], make_state)
         self.error_feedback = bool(getattr(self.memory, "keeps_unsent", False))
         # The memory's per-replica state, tracked here so that checkpoints of
-        # the exchange hold it.
-        self.residuals = self.memory.state_variables
+        # the exchange hold it; the residuals alone for inspection.
+        self.memory_state = [keep_replica_values(v) for v in self.memory.state_variables]  # also ready-made ones
+        self.residuals = list(getattr(self.memory, "residuals", None) or [])
         self._slot = {position: slot for slot, position in enumerate(self.sparse_positions)}
+        self._dense_slot = {position: slot for slot, position in enumerate(self.dense_positions)}
+
+    @staticmethod
+    def _choose_memory(memory, error_feedback, residuals, momentum, nesterov, momentum_masking):
+        if memory is not None:
+            for name, value in (("residuals", residuals), ("momentum", momentum)):
+                if value is not None:
+                    raise ValueError(f"pass {name} to the memory, not next to it")
+            return memory
+        if momentum is None:
+            if nesterov:
+                raise ValueError("nesterov=True needs momentum=... (momentum correction)")
+            return ErrorFeedbackMemory(residuals) if error_feedback else NoMemory()
+        if not error_feedback:
+            raise ValueError("momentum correction accumulates the velocity in the residual: it needs "
+                             "error_feedback=True")
+        if residuals is not None:
+            raise ValueError("residuals=... is for plain error feedback; with momentum the memory makes its state")
+        return MomentumCorrectionMemory(momentum, nesterov=nesterov, masking=momentum_masking)
 
     def _make_buckets(self):
         """Consecutive sparsified variables, at most bucket_bytes of pairs each."""
@@ -194,7 +286,8 @@ class SparseExchange(tf.Module):
 
     @property
     def num_buckets(self):
-        """Number of all_gather calls per step (one per bucket)."""
+        """Number of buckets: each is one all_gather, or two all-reduces
+        (agreed indices, then values), or one dense all-reduce per step."""
         return len(self._buckets)
 
     def __call__(self, grads, step=None):
@@ -204,14 +297,22 @@ class SparseExchange(tf.Module):
         iterations) is required when the density is scheduled.
         """
         grads, context = self._check_call(grads)
+        if self.local_clipnorm is not None:
+            grads = self._clip_locally(grads, context.num_replicas_in_sync)
         out = [None] * len(grads)
         all_finite = self._reduce_dense(grads, context, out)
         totals = collections.defaultdict(lambda: tf.constant(0.0, tf.float32))
+        replicas = context.num_replicas_in_sync
+        plans = []  # per bucket: members, k per member, path, dense
         for bucket in self._buckets:
             members = [p for p in bucket if grads[p] is not None]
-            if not members:
-                continue
-            dense_bucket = self._exchange_bucket(members, grads, all_finite, step, context, totals)
+            if members:
+                ks = [self.schedule.k(self._specs[p].size, step) for p in members]
+                plans.append((members, ks, *self._bucket_mode(ks, [self._specs[p].size for p in members], replicas)))
+        agrees = any(path == "allreduce" and dense is not True for _, _, path, dense in plans)
+        leader = self._leader(step, replicas) if agrees else None
+        for members, ks, path, dense in plans:
+            dense_bucket = self._exchange_bucket(members, ks, path, dense, grads, all_finite, leader, context, totals)
             offset = 0
             for position in members:
                 spec = self._specs[position]
@@ -234,6 +335,16 @@ class SparseExchange(tf.Module):
             raise ValueError("all gradients are None: nothing to exchange")
         return grads, context
 
+    def _clip_locally(self, grads, replicas):
+        """This replica's gradients clipped to global norm local_clipnorm / sqrt(replicas)
+        (a non-finite norm makes them NaN: the step is then skipped)."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        clipped, _ = tf.clip_by_global_norm([grads[i] for i in present], self.local_clipnorm / math.sqrt(replicas))
+        grads = list(grads)
+        for position, tensor in zip(present, clipped):
+            grads[position] = tensor
+        return grads
+
     def _reduce_dense(self, grads, context, out):
         """All-reduces the small variables' gradients into `out` together with
         the count of non-finite entries on all replicas; returns all_finite:
@@ -243,31 +354,110 @@ class SparseExchange(tf.Module):
                                for i in present])
         dense_positions = [i for i in present if not self._specs[i].sparse]
         reduced = self.communicator.all_reduce_dense(context, [grads[i] for i in dense_positions] + [non_finite])
+        all_finite = tf.equal(reduced[-1], 0.0)
         for position, tensor in zip(dense_positions, reduced[:-1]):
-            out[position] = tensor
-        return tf.equal(reduced[-1], 0.0)
+            out[position] = self.memory.apply_dense(self._dense_slot[position], tensor, all_finite)
+        return all_finite
 
-    def _exchange_bucket(self, members, grads, all_finite, step, context, totals):
+    def _leader(self, step, replicas):
+        """The replica whose indices the agreed-index mode sends: step mod P."""
+        if replicas == 1:
+            return tf.constant(0, tf.int32)
+        if step is None:
+            step = self._calls.assign_add(1) - 1
+        return tf.cast(tf.math.floormod(tf.cast(step, tf.int64), replicas), tf.int32)
+
+    def _bucket_mode(self, ks, sizes, replicas):
+        """(path, dense): path "allgather" or "allreduce"; dense (a bool, or a
+        bool tensor when k is scheduled) sends every entry on the allreduce path."""
+        if replicas == 1 or not self._agrees:
+            return "allgather", False
+        if self.exchange_mode == "allreduce":
+            return "allreduce", False
+        entries = sum(sizes)
+        if all(isinstance(k, int) for k in ks):
+            mode = choose_mode(replicas, sum(ks), entries)
+            return ("allgather", False) if mode == "allgather" else ("allreduce", mode == "dense")
+        max_density = self.schedule.max_density()
+        max_pairs = entries if max_density is None else sum(max(1, min(n, math.ceil(max_density * n)))
+                                                            for n in sizes)
+        sparse = choose_mode(replicas, max_pairs, entries, ("allgather", "allreduce"))
+        dense_bytes = mode_bytes("dense", max_pairs, entries, replicas)
+        if mode_bytes(sparse, max_pairs, entries, replicas) <= dense_bytes:
+            return sparse, False
+        pairs = tf.add_n([tf.cast(k, tf.float32) for k in ks])
+        return "allreduce", mode_bytes("allreduce", pairs, entries, replicas) > dense_bytes
+
+    def _exchange_bucket(self, members, ks, path, dense, grads, all_finite, leader, context, totals):
         """Select, remember and send one bucket; returns its dense float32 sum
         over replicas and adds its statistics to `totals`."""
-        values_list, indices_list, offset = [], [], 0
-        for position in members:
-            spec = self._specs[position]
-            slot = self._slot[position]
-            accumulated = self.memory.compensate(slot, grads[position])
-            k = self.schedule.k(spec.size, step)
-            values, indices = self.selector.select(accumulated, k)
-            remaining = self.memory.update(slot, accumulated, values, indices, all_finite)
+        slots = [self._slot[p] for p in members]
+        sizes = [self._specs[p].size for p in members]
+        accumulated = [self.memory.compensate(slot, grads[p], all_finite) for slot, p in zip(slots, members)]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        replicas = context.num_replicas_in_sync
+        if path == "allgather":
+            selected = [self.selector.select(a, k) for a, k in zip(accumulated, ks)]
+            values = self._remember(slots, accumulated, selected, all_finite, totals)
+            pairs = tf.add_n([tf.cast(k, tf.float32) for k in ks])
+            totals["k"] += pairs
+            totals["allgather_pairs"] += pairs
+            totals["mode"] += MODE_CODES["allgather"]
+            totals["buckets"] += 1.0
+            indices = tf.concat([i + offset for (_, i), offset in zip(selected, offsets)], 0)
+            return self.communicator.exchange_pairs(context, values, indices, sum(sizes))
+        agreed, selected = self._agree(accumulated, ks, sizes, offsets, dense, leader, context)
+        values = self._remember(slots, accumulated, selected, all_finite, totals)
+        pairs = tf.add_n([tf.cast(tf.size(i), tf.float32) for _, i in selected])
+        totals["k"] += pairs
+        totals["other_bytes"] += tf.where(dense, mode_bytes("dense", pairs, sum(sizes), replicas),
+                                          mode_bytes("allreduce", pairs, sum(sizes), replicas))
+        totals["mode"] += tf.where(dense, MODE_CODES["dense"], MODE_CODES["allreduce"])
+        totals["buckets"] += 1.0
+        return self.communicator.sum_values(context, values, agreed, sum(sizes))
+
+    def _agree(self, accumulated, ks, sizes, offsets, dense, leader, context):
+        """The agreed-index mode's selection: the bucket's agreed indices (None
+        when all entries are sent) and, per variable, this replica's (values,
+        indices) there. `dense` sends every entry; no index travels then."""
+        everything = [(a, tf.range(n)) for a, n in zip(accumulated, sizes)]
+        if dense is True:
+            return None, everything
+        if dense is False:
+            local = [self.selector.select(a, k) for a, k in zip(accumulated, ks)]
+        else:
+            local = [tf.cond(dense, lambda pair=pair: pair, lambda a=a, k=k: tuple(self.selector.select(a, k)))
+                     for pair, a, k in zip(everything, accumulated, ks)]
+        candidates = tf.concat([i + offset for (_, i), offset in zip(local, offsets)], 0)
+        valid = tf.concat([tf.not_equal(v, 0) for v, _ in local], 0)
+        if dense is not False:  # nothing to agree on: the agreement carries no index
+            candidates = tf.cond(dense, lambda: tf.zeros([0], tf.int32), lambda: candidates)
+            valid = tf.cond(dense, lambda: tf.zeros([0], tf.bool), lambda: valid)
+        agreed, agreed_valid = self.communicator.agree_indices(context, candidates, valid, leader)
+        lengths = [tf.size(i) for _, i in local]
+        if dense is not False:
+            whole = tf.concat([i + offset for (_, i), offset in zip(everything, offsets)], 0)
+            agreed = tf.cond(dense, lambda: whole, lambda: agreed)
+            agreed_valid = tf.cond(dense, lambda: tf.ones_like(whole, tf.bool), lambda: agreed_valid)
+        selected = []
+        for a, offset, piece, piece_valid in zip(accumulated, offsets, tf.split(agreed, tf.stack(lengths)),
+                                                 tf.split(agreed_valid, tf.stack(lengths))):
+            indices = tf.where(piece_valid, piece - offset, 0)
+            selected.append((tf.where(piece_valid, tf.gather(a, indices), tf.zeros([], a.dtype)), indices))
+        return agreed, selected
+
+    def _remember(self, slots, accumulated, selected, all_finite, totals):
+        """Keeps what each variable does not send; returns the bucket's float32
+        values to send (zero on a skipped step)."""
+        values_list = []
+        for slot, a, (values, indices) in zip(slots, accumulated, selected):
+            remaining = self.memory.update(slot, a, values, indices, all_finite)
             values = tf.where(all_finite, tf.cast(values, tf.float32), 0.0)  # a skipped step sends nothing
             values_list.append(values)
-            indices_list.append(indices + offset)
-            offset += spec.size
-            totals["k"] += tf.cast(k, tf.float32)
             totals["selected"] += tf.cast(tf.math.count_nonzero(values), tf.float32)
-            totals["accumulated_sq"] += _finite_square_sum(accumulated)
+            totals["accumulated_sq"] += _finite_square_sum(a)
             totals["dropped_sq"] += _finite_square_sum(remaining)
-        return self.communicator.exchange_pairs(context, tf.concat(values_list, 0),
-                                                tf.concat(indices_list, 0), offset)
+        return tf.concat(values_list, 0)
 
     def _stats(self, grads, totals, replicas):
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -279,12 +469,14 @@ class SparseExchange(tf.Module):
         return {
             "density": totals["selected"] / max(sparse_entries, 1.0),
             "selected": totals["selected"],
-            "bytes_sent": self.communicator.bytes_sent(k_total, dense_entries, replicas),
+            "bytes_sent": (self.communicator.bytes_sent(totals["allgather_pairs"], dense_entries, replicas)
+                           + totals["other_bytes"]),
             "bytes_dense": tf.constant(ring_all_reduce_bytes(4.0 * (sparse_entries + dense_entries), replicas),
                                        tf.float32),
             "residual_norm": tf.sqrt(residual_sq),
             "contraction": totals["dropped_sq"] / tf.maximum(totals["accumulated_sq"], 1e-30),
             "random_k_bound": 1.0 - k_total / max(sparse_entries, 1.0),
+            "exchange_mode": totals["mode"] / tf.maximum(totals["buckets"], 1.0),
         }
 
 

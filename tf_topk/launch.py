@@ -9,6 +9,7 @@ Command line::
 
     python -m tf_topk.launch --workers 2 train.py --epochs 3
     python -m tf_topk.launch --workers 4 --timeout 600 examples/train_mnist.py
+    python -m tf_topk.launch --workers 2 --restarts 3 train.py   # restart all on a failure
 
 Every worker runs ``python train.py --epochs 3`` (the same interpreter as the
 launcher) with::
@@ -26,8 +27,18 @@ What the launcher guarantees:
   after a grace period) and the launcher exits with that worker's code; a
   worker killed by signal S gives 128+S. A collective op waits forever for a
   peer that died, so without this the survivors would hang.
-* ``--timeout S`` stops everything after S seconds and exits with 124.
-* Ctrl-C or SIGTERM to the launcher stops all workers (exit 130 / 143).
+* ``--restarts N`` (default 0): when a worker fails, stop the others, then
+  start *all* workers again, on fresh free ports, up to N times (torchrun's
+  ``--max-restarts``). Each worker sees the attempt number in
+  ``TF_TOPK_RESTART`` (0 first, then 1, 2, ...). A collective job cannot
+  replace one worker: the survivors' collectives are bound to the dead peer,
+  so the whole cluster starts over and resumes from its last backup (see
+  ``tf_topk.keras.BackupAndRestore``). When the restarts are used up, the
+  launcher exits with the last failure's code.
+* ``--timeout S`` stops everything after S seconds and exits with 124. The S
+  seconds cover the whole run, restarts included.
+* Ctrl-C or SIGTERM to the launcher stops all workers (exit 130 / 143), and
+  never restarts them.
 * Each worker runs in its own session and process group, so whatever it
   starts (data loaders, shell pipelines) is stopped with it.
 
@@ -37,6 +48,9 @@ From Python (tests use this)::
     result = run_workers(2, [sys.executable, "train.py"], timeout=120)
     assert result.ok, result.format_failure()
     print(result.outputs[0])          # worker 0's output, without prefixes
+
+    result = run_workers(2, [sys.executable, "train.py"], timeout=600, restarts=2)
+    print(result.attempts, [a.returncodes for a in result.earlier])  # e.g. 2 [[-15, -9]]
 
 How real clusters set TF_CONFIG
 -------------------------------
@@ -62,7 +76,8 @@ machines. The usual ways to get there:
 
 Only worker 0 (the chief) should write checkpoints and logs to their final
 place; the others write to temporary directories, since saving under MWMS is a
-collective that every worker must take part in.
+collective that every worker must take part in. For ``model.fit``,
+``tf_topk.keras.BackupAndRestore`` does this, and resumes a restarted job.
 """
 
 from __future__ import annotations
@@ -79,15 +94,22 @@ import threading
 import time
 from typing import IO, Mapping, Optional, Sequence
 
-__all__ = ["LaunchResult", "find_free_ports", "make_tf_config", "run_workers", "main"]
+__all__ = ["LaunchResult", "RESTART_ENV", "describe_returncode", "find_free_ports", "make_tf_config", "pid_alive",
+           "run_workers", "main"]
 
 TIMEOUT_EXIT_CODE = 124  # the same code as coreutils timeout(1)
 DEFAULT_GRACE_S = 5.0
+RESTART_ENV = "TF_TOPK_RESTART"  # the attempt number each worker sees: 0, then 1, 2, ... after restarts
 
 
 @dataclasses.dataclass
 class LaunchResult:
-    """What happened to the workers of one `run_workers` call."""
+    """What happened to the workers of one `run_workers` call.
+
+    With restarts, the fields describe the last attempt (its return codes,
+    outputs and ports); `earlier` holds one LaunchResult per attempt before
+    it, oldest first, and `duration_s` covers all of them.
+    """
 
     returncodes: list  # per worker, Popen convention: -S when killed by signal S
     outputs: list  # per worker: merged stdout+stderr text, without prefixes
@@ -96,6 +118,8 @@ class LaunchResult:
     timed_out: bool = False
     interrupted: Optional[int] = None  # signal number that stopped the launcher
     duration_s: float = 0.0
+    attempts: int = 1  # 1 + the restarts used
+    earlier: list = dataclasses.field(default_factory=list)  # LaunchResult of each failed attempt before the last
 
     @property
     def ok(self) -> bool:
@@ -113,17 +137,33 @@ class LaunchResult:
         return 0
 
     def format_failure(self, tail_lines: int = 40) -> str:
-        """A readable summary with the tail of every worker's output."""
+        """A readable summary with the tail of every worker's output (last attempt)."""
         parts = [
             f"launcher exit code {self.returncode}: returncodes={self.returncodes} "
             f"failed_worker={self.failed_worker} timed_out={self.timed_out} "
-            f"duration={self.duration_s:.1f}s"
+            f"attempts={self.attempts} duration={self.duration_s:.1f}s"
         ]
+        for number, attempt in enumerate(self.earlier, 1):
+            worker = attempt.failed_worker
+            parts.append(f"attempt {number}: worker {worker} exited with "
+                         f"{describe_returncode(attempt.returncodes[worker])}")
         for i, out in enumerate(self.outputs):
             lines = out.splitlines()[-tail_lines:]
             parts.append(f"--- worker {i} (last {len(lines)} lines) ---")
             parts.extend(lines)
         return "\n".join(parts)
+
+
+def describe_returncode(returncode: Optional[int]) -> str:
+    """'code 3', or '-9 (SIGKILL)' for a process killed by a signal."""
+    if returncode is None:
+        return "no exit code"
+    if returncode >= 0:
+        return f"code {returncode}"
+    try:
+        return f"{returncode} ({signal.Signals(-returncode).name})"
+    except ValueError:
+        return f"{returncode} (signal {-returncode})"
 
 
 def _exit_code(returncode: Optional[int]) -> int:
@@ -232,6 +272,24 @@ def _reader(
     pipe.close()
 
 
+def _check_restarts(restarts) -> int:
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+        raise ValueError(f"restarts must be an int >= 0, got {restarts!r}")
+    return restarts
+
+
+def _say(stream: Optional[IO[str]], lock: threading.Lock, text: str) -> None:
+    """One launcher line, in the stream of worker lines (so it lands in order)."""
+    if stream is None:
+        return
+    try:
+        with lock:
+            stream.write(f"[launch] {text}\n")
+            stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def run_workers(
     n: int,
     argv: Sequence[str],
@@ -243,6 +301,7 @@ def run_workers(
     stream: Optional[IO[str]] = None,
     grace_s: float = DEFAULT_GRACE_S,
     cwd: Optional[str] = None,
+    restarts: int = 0,
 ) -> LaunchResult:
     """Run `argv` as `n` local workers with TF_CONFIG set, and wait for them.
 
@@ -250,34 +309,91 @@ def run_workers(
       n: number of workers (>= 1).
       argv: the full command of each worker, e.g. `[sys.executable, "train.py"]`.
       env: extra environment variables for every worker, on top of
-        `os.environ` (TF_CONFIG is always set by the launcher).
+        `os.environ` (TF_CONFIG and TF_TOPK_RESTART are always set by the
+        launcher).
       timeout: seconds until all workers are stopped and the result says
-        `timed_out` (exit code 124). None waits forever.
+        `timed_out` (exit code 124), counted over all attempts. None waits
+        forever.
       line_prefix: prefix streamed lines with `[worker i] `.
-      ports: the cluster's ports; default: free ports found by binding port 0.
+      ports: the cluster's ports, used by every attempt; default: free ports
+        found by binding port 0, found anew for each attempt.
       stream: where lines are streamed live; default `sys.stdout`.
       grace_s: seconds between SIGTERM and SIGKILL when stopping workers.
       cwd: working directory of the workers.
+      restarts: how many times to start all workers again after a worker
+        fails (exits non-zero or is killed). A timeout or a signal to the
+        launcher never restarts. Each restart is announced on `stream` as
+        `[launch] worker 1 exited with -9 (SIGKILL); restarting all
+        workers, attempt 2 of 3`.
 
-    Returns a `LaunchResult`; every worker process (and its process group) is
-    gone when this returns, also when it raises (e.g. KeyboardInterrupt).
+    Returns a `LaunchResult` of the last attempt (`attempts` says how many
+    were made); every worker process (and its process group) is gone when
+    this returns, also when it raises (e.g. KeyboardInterrupt).
+
+    Example, a script that resumes from its backups after a failure::
+
+        result = run_workers(2, [sys.executable, "train.py"], timeout=900, restarts=3)
+        if not result.ok:
+            print(result.format_failure())
     """
     if n < 1:
         raise ValueError(f"need at least one worker, got n={n}")
     if not argv:
         raise ValueError("argv is empty: give the command each worker runs")
-    if ports is None:
-        ports = find_free_ports(n)
-    elif len(ports) != n:
+    if ports is not None and len(ports) != n:
         raise ValueError(f"got {len(ports)} ports for {n} workers")
-    ports = list(ports)
+    restarts = _check_restarts(restarts)
     if stream is None:
         stream = sys.stdout
 
+    lock = threading.Lock()  # one writer at a time on `stream`, across attempts
+    start = time.monotonic()
+    deadline = None if timeout is None else start + timeout
+    earlier: list = []
+    attempt = 0
+    result = None
+    try:
+        while True:
+            attempt_ports = find_free_ports(n) if ports is None else list(ports)
+            result = _run_attempt(n, argv, env, attempt, attempt_ports, deadline, line_prefix,
+                                  stream, lock, grace_s, cwd)
+            if result.failed_worker is None or result.interrupted is not None or attempt >= restarts:
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                break  # no time left for another attempt: report this failure
+            worker = result.failed_worker
+            _say(stream, lock, f"worker {worker} exited with {describe_returncode(result.returncodes[worker])}; "
+                               f"restarting all workers, attempt {attempt + 2} of {restarts + 1}")
+            earlier.append(result)
+            attempt += 1
+    except _Interrupted as e:  # between attempts: no worker is running
+        if result is None:
+            result = LaunchResult(returncodes=[None] * n, outputs=[""] * n, ports=[])
+        result.interrupted = e.signum
+    result.attempts = attempt + 1
+    result.earlier = earlier
+    result.duration_s = time.monotonic() - start
+    return result
+
+
+def _run_attempt(
+    n: int,
+    argv: Sequence[str],
+    env: Optional[Mapping[str, str]],
+    attempt: int,
+    ports: list,
+    deadline: Optional[float],
+    line_prefix: bool,
+    stream: Optional[IO[str]],
+    lock: threading.Lock,
+    grace_s: float,
+    cwd: Optional[str],
+) -> LaunchResult:
+    """Start all `n` workers once and wait until they all succeed, one fails,
+    the deadline passes or the launcher gets a signal; then stop them all."""
     outputs: list = [[] for _ in range(n)]
     procs: list = []
     readers: list = []
-    lock = threading.Lock()
     result = LaunchResult(returncodes=[None] * n, outputs=[], ports=ports)
     start = time.monotonic()
     try:
@@ -285,6 +401,7 @@ def run_workers(
             worker_env = dict(os.environ)
             worker_env.update(env or {})
             worker_env["TF_CONFIG"] = make_tf_config(ports, i)
+            worker_env[RESTART_ENV] = str(attempt)
             worker_env.setdefault("PYTHONUNBUFFERED", "1")  # stream lines live
             proc = subprocess.Popen(
                 list(argv),
@@ -305,7 +422,6 @@ def run_workers(
             t.start()
             readers.append(t)
 
-        deadline = None if timeout is None else start + timeout
         while True:
             codes = [p.poll() for p in procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
@@ -348,7 +464,17 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "or an integer P: use ports P, P+1, ...",
     )
     parser.add_argument(
-        "--timeout", type=float, default=None, help="stop all workers after this many seconds (exit 124)"
+        "--timeout",
+        type=float,
+        default=None,
+        help="stop all workers after this many seconds, restarts included (exit 124)",
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        help="when a worker fails, stop the others and start all workers again, at most this many "
+        "times (default 0); each worker sees the attempt number (0, 1, ...) in $TF_TOPK_RESTART",
     )
     parser.add_argument(
         "--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL"
@@ -362,6 +488,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--workers must be at least 1, got {args.workers}")
     if args.timeout is not None and args.timeout <= 0:
         parser.error(f"--timeout must be positive, got {args.timeout}")
+    if args.restarts < 0:
+        parser.error(f"--restarts must be at least 0, got {args.restarts}")
     if not os.path.isfile(args.script):
         parser.error(f"script not found: {args.script}")
     if args.port_base == "auto":
@@ -393,6 +521,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             line_prefix=not args.no_prefix,
             ports=args.ports,
             grace_s=args.grace,
+            restarts=args.restarts,
         )
     except KeyboardInterrupt:
         print("tf_topk.launch: interrupted, workers stopped", file=sys.stderr)
@@ -406,9 +535,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif result.timed_out:
         print(f"tf_topk.launch: timed out after {args.timeout:g}s, workers stopped", file=sys.stderr)
     elif result.failed_worker is not None:
+        attempts = ""
+        if result.attempts > args.restarts > 0:
+            attempts = f" (no restarts left after {result.attempts} attempts)"
+        elif args.restarts:
+            attempts = f" (no time left before --timeout for restart {result.attempts} of {args.restarts})"
         print(
             f"tf_topk.launch: worker {result.failed_worker} exited with code "
-            f"{result.returncodes[result.failed_worker]}; stopped the others",
+            f"{result.returncodes[result.failed_worker]}; stopped the others{attempts}",
             file=sys.stderr,
         )
     return result.returncode

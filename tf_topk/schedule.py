@@ -12,6 +12,7 @@ at least 1. A schedule is one of:
     a float tensor, like a Keras learning-rate schedule (return float64 for
     k to match the constant case exactly).
 With a list or a callable, k is a tensor that changes with the step.
+`dgc_warmup` builds DGC's warm-up list from the epoch length.
 """
 
 import math
@@ -25,6 +26,35 @@ def _check_density(density, where):
     if not 0.0 < float(density) <= 1.0 or math.isnan(density):
         raise ValueError(f"{where} must be in (0, 1], got {density!r}")
     return float(density)
+
+
+def dgc_warmup(steps_per_epoch, epochs=4, final=0.001, initial=0.25):
+    """Deep Gradient Compression's density warm-up, as (step, density) pairs.
+
+    The density falls exponentially, one value per epoch, from `initial` in
+    the first epoch to `final` from epoch `epochs` on: with the defaults
+    0.25, 0.0628, 0.0158, 0.00397, then 0.001 (DGC: 75%, 93.75%, 98.4%,
+    99.6%, 99.9% sparsity over the first four epochs). Early gradients change
+    fast and the residuals are still empty, so sending more at first keeps
+    the start of training close to dense.
+
+    Example:
+        >>> opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+        ...                             density=tf_topk.schedule.dgc_warmup(len(x_train) // 32),
+        ...                             momentum_correction=True)
+    """
+    for name, value in (("steps_per_epoch", steps_per_epoch), ("epochs", epochs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "steps_per_epoch" else 0):
+            raise ValueError(f"{name} must be an int >= {1 if name == 'steps_per_epoch' else 0}, got {value!r}")
+    final = _check_density(final, "final")
+    initial = _check_density(initial, "initial")
+    if final > initial:
+        raise ValueError(f"final ({final}) must not exceed initial ({initial}): a warm-up lowers the density")
+    if epochs == 0:
+        return [(0, final)]
+    ratio = (final / initial) ** (1.0 / epochs)
+    return [(epoch * steps_per_epoch, initial * ratio**epoch) for epoch in range(epochs)] + \
+        [(epochs * steps_per_epoch, final)]
 
 
 class DensitySchedule:

@@ -4,7 +4,10 @@ No TensorFlow: it starts in milliseconds. Options (all optional):
   --record DIR        write TF_CONFIG and the argv to DIR/worker_{i}.json
   --stderr            also print a line to stderr
   --no-newline        end with a partial line (no trailing newline)
-  --exit I:CODE       worker I exits with CODE after --delay seconds
+  --exit I:CODE       worker I exits with CODE after --delay seconds (CODE -S: kills
+                      itself with signal S)
+  --exit-attempts N   apply --exit only on attempts below N ($TF_TOPK_RESTART < N)
+  --pid-dir DIR       write DIR/worker{i}_attempt{a}.json: pid, attempt, TF_CONFIG
   --delay S           (default 0.3)
   --ignore-sigterm    ignore SIGTERM (the launcher must SIGKILL)
   --grandchild DIR    start a `sleep` grandchild and write its pid to DIR/grandchild_{i}
@@ -25,6 +28,8 @@ p.add_argument("--record")
 p.add_argument("--stderr", action="store_true")
 p.add_argument("--no-newline", action="store_true")
 p.add_argument("--exit", action="append", default=[])
+p.add_argument("--exit-attempts", type=int, default=None)
+p.add_argument("--pid-dir")
 p.add_argument("--delay", type=float, default=0.3)
 p.add_argument("--ignore-sigterm", action="store_true")
 p.add_argument("--grandchild")
@@ -33,6 +38,7 @@ args, rest = p.parse_known_args()
 
 config = json.loads(os.environ["TF_CONFIG"])
 index = config["task"]["index"]
+attempt = int(os.environ.get("TF_TOPK_RESTART", "0"))
 if args.ignore_sigterm:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if args.record:
@@ -45,6 +51,12 @@ if args.grandchild:
         f.write(str(child.pid))
     os.replace(path + ".tmp", path)  # readers never see a partial file
 
+if args.pid_dir:
+    path = os.path.join(args.pid_dir, f"worker{index}_attempt{attempt}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"pid": os.getpid(), "attempt": attempt, "tf_config": config}, f)
+    os.replace(path + ".tmp", path)
+
 print(f"hello from {index}", flush=True)
 if args.stderr:
     print(f"stderr from {index}", file=sys.stderr, flush=True)
@@ -52,8 +64,12 @@ if args.no_newline:
     print(f"partial from {index}", end="", flush=True)
 
 codes = dict(map(int, e.split(":")) for e in args.exit)
+if args.exit_attempts is not None and attempt >= args.exit_attempts:
+    codes = {}
 if index in codes:
     time.sleep(args.delay)
+    if codes[index] < 0:
+        os.kill(os.getpid(), -codes[index])
     sys.exit(codes[index])
 if args.hang:
     time.sleep(1000)

@@ -2,7 +2,7 @@
 
     --phase save:   train 2 epochs, save a checkpoint (the chief into --ckpt, the
                     others into their own folders: every worker must save, since
-                    reading per-replica residuals is a collective)
+                    gathering every worker's residual into it is a collective)
     --phase resume: restore the chief's checkpoint, then train 1 more epoch
 Each phase writes <out>/<phase>_worker<i>.json and this worker's local residual
 as <out>/<phase>_worker<i>.npy (after training for save, right after restore

@@ -2,11 +2,12 @@
 
 Usage: exchange_replicas.py OUT.npz CONFIG_JSON, the configuration coming
 from tests/test_exchange.py: variable shapes, min_size, density, replicas,
-steps. Each replica gets its own gradients. The same steps run with one bucket
-(bucket_bytes=None) and with one bucket per sparsified variable. Writes, per
-bucketing and step, what each replica returned and each replica's residuals,
-plus the inputs; the test compares them with a numpy reference. Exits non-zero
-on any failure.
+steps, and the momentum-correction settings. Each replica gets its own
+gradients. The same steps run with one bucket (bucket_bytes=None), with one
+bucket per sparsified variable, and with momentum correction (plain, and
+Nesterov with local clipping). Writes, per run and step, what each replica
+returned and each replica's residuals and velocities, plus the inputs; the
+test compares them with a numpy reference. Exits non-zero on any failure.
 """
 
 import json
@@ -34,11 +35,18 @@ strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)]
 assert strategy.num_replicas_in_sync == REPLICAS
 
 saved = {}
-for label, bucket_bytes in (("one_bucket", None), ("per_variable", 8 * 30)):
+MOMENTUM, CLIPNORM = config["momentum"], config["local_clipnorm"]
+RUNS = {
+    "one_bucket": dict(bucket_bytes=None),
+    "per_variable": dict(bucket_bytes=8 * 30),
+    "dgc": dict(momentum=MOMENTUM),
+    "dgc_nesterov_clip": dict(momentum=MOMENTUM, nesterov=True, local_clipnorm=CLIPNORM, bucket_bytes=8 * 30),
+}
+for label, options in RUNS.items():
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
         exchange = tf_topk.SparseExchange(variables, density=DENSITY, method="exact", min_size=MIN_SIZE,
-                                          bucket_bytes=bucket_bytes)
+                                          **options)
     saved[f"{label}/num_buckets"] = np.array(exchange.num_buckets)
 
     @tf.function
@@ -60,6 +68,10 @@ for label, bucket_bytes in (("one_bucket", None), ("per_variable", 8 * 30)):
                 saved[f"{label}/step{s}/replica{r}/grad{v}"] = strategy.experimental_local_results(out[v])[r].numpy()
             for slot, residual in enumerate(exchange.residuals):
                 saved[f"{label}/step{s}/replica{r}/residual{slot}"] = residual.values[r].numpy()
+            for slot, velocity in enumerate(getattr(exchange.memory, "velocities", None) or []):
+                saved[f"{label}/step{s}/replica{r}/velocity{slot}"] = velocity.values[r].numpy()
+            for slot, velocity in enumerate(getattr(exchange.memory, "dense_velocities", None) or []):
+                saved[f"{label}/step{s}/replica{r}/dense_velocity{slot}"] = velocity.values[r].numpy()
 for s in range(STEPS):
     for r in range(REPLICAS):
         for v in range(len(SHAPES)):

@@ -8,6 +8,7 @@ SUBCOMMANDS = {
     "select": "tf_topk.bench.select",
     "e2e": "tf_topk.bench.e2e",
     "convergence": "tf_topk.bench.convergence",
+    "scale": "tf_topk.bench.scale",
 }
 
 

@@ -1,11 +1,14 @@
 """Convergence benchmark: `python -m tf_topk.bench convergence --json --plot out.png`.
 
-Does sparsification cost accuracy, and what does error feedback buy? On
-scikit-learn's digits (or `--dataset synthetic`), trains the same MLP with
-the same inner optimizer, budget (epochs) and seeds:
+Does sparsification cost accuracy, and what do error feedback and momentum
+correction buy? On scikit-learn's digits (or `--dataset synthetic`, or
+`--dataset shapes`: generated images, with a small CNN), trains the same model
+with the same inner optimizer, budget (epochs) and seeds:
 
     dense       the inner optimizer alone
     topk_ef     tf_topk.TopKOptimizer(inner, density=d)                    (the library)
+    topk_mc     tf_topk.TopKOptimizer(inner, density=d, momentum_correction=True)
+                (DGC's momentum correction and masking; SGD with momentum only)
     topk_noef   tf_topk.TopKOptimizer(inner, density=d, error_feedback=False)
     randk_ef    k entries chosen uniformly at random, same error feedback  (a BENCHMARK BASELINE,
                 tf_topk.selector.RandomKSelector in the library exchange)
@@ -35,8 +38,12 @@ import numpy as np
 from tf_topk.bench.data import load_data
 from tf_topk import cli
 
-METHODS = ("topk_ef", "topk_noef", "randk_ef")
-LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_noef": "top-k, no EF", "randk_ef": "random-k + EF"}
+METHODS = ("topk_ef", "topk_mc", "topk_noef", "randk_ef")
+DEFAULT_METHODS = ("topk_ef", "topk_noef", "randk_ef")
+LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_mc": "top-k + EF + MC", "topk_noef": "top-k, no EF",
+          "randk_ef": "random-k + EF"}
+COLORS = {"dense": "black", "topk_ef": "tab:blue", "topk_mc": "tab:purple", "topk_noef": "tab:red",
+          "randk_ef": "tab:green"}
 
 
 # -- the random-k baseline (benchmark only) ------------------------------------------------
@@ -64,21 +71,46 @@ def _random_k_optimizer_class():
 
 # -- data and model ---------------------------------------------------------------------------
 
-def make_model(keras, inputs, hidden, classes):
+def make_model(keras, inputs, hidden, classes, kind="mlp"):
+    """An MLP with `hidden` widths, or the small CNN for square images (`kind="cnn"`)."""
     layers = [keras.Input((inputs,))]
-    layers += [keras.layers.Dense(h, activation="relu") for h in hidden]
+    if kind == "cnn":
+        side = int(round(inputs ** 0.5))
+        layers += [keras.layers.Reshape((side, side, 1)),
+                   keras.layers.Conv2D(16, 3, activation="relu", padding="same"), keras.layers.MaxPooling2D(),
+                   keras.layers.Conv2D(32, 3, activation="relu", padding="same"), keras.layers.MaxPooling2D(),
+                   keras.layers.Flatten(), keras.layers.Dense(64, activation="relu")]
+    else:
+        layers += [keras.layers.Dense(h, activation="relu") for h in hidden]
     layers.append(keras.layers.Dense(classes))
     return keras.Sequential(layers)
 
 
-def make_optimizer(keras, method, density, args):
+def model_name(args, inputs):
+    if args.model == "cnn":
+        return "CNN conv16-conv32-64-10"
+    return f"MLP {inputs}-" + "-".join(map(str, args.hidden)) + "-10"
+
+
+def make_inner(keras, args):
+    if args.optimizer == "adam":
+        return keras.optimizers.Adam(args.learning_rate)
+    return keras.optimizers.SGD(args.learning_rate, momentum=args.momentum, nesterov=args.nesterov)
+
+
+def make_optimizer(keras, method, density, args, steps_per_epoch):
     import tf_topk
 
-    inner = keras.optimizers.SGD(args.learning_rate, momentum=args.momentum)
+    inner = make_inner(keras, args)
     if method == "dense":
         return inner
+    if args.warmup_epochs:
+        density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=density)
     if method == "topk_ef":
         return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size)
+    if method == "topk_mc":
+        return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size,
+                                     momentum_correction=True)
     if method == "topk_noef":
         return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size,
                                      error_feedback=False)
@@ -93,8 +125,8 @@ def train_one(method, density, seed, data, args):
 
     x_train, y_train, x_test, y_test = data
     keras.utils.set_random_seed(seed)
-    model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1)
-    optimizer = make_optimizer(keras, method, density, args)
+    model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1, args.model)
+    optimizer = make_optimizer(keras, method, density, args, -(-len(x_train) // args.batch_size))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
     history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
@@ -162,9 +194,11 @@ def run(args, log=None):
         "benchmark": "convergence",
         "dataset": args.dataset,
         "train_samples": int(len(data[0])), "test_samples": int(len(data[2])),
-        "model": f"MLP {data[0].shape[1]}-" + "-".join(map(str, args.hidden)) + "-10", "params": params,
-        "optimizer": f"SGD(learning_rate={args.learning_rate}, momentum={args.momentum})",
-        "selection_method": args.method, "min_size": args.min_size,
+        "model": model_name(args, data[0].shape[1]), "params": params,
+        "optimizer": (f"Adam(learning_rate={args.learning_rate})" if args.optimizer == "adam"
+                      else f"SGD(learning_rate={args.learning_rate}, momentum={args.momentum}"
+                      + (", nesterov=True)" if args.nesterov else ")")),
+        "selection_method": args.method, "min_size": args.min_size, "warmup_epochs": args.warmup_epochs,
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
         "densities": args.densities, "methods": ["dense", *args.methods],
         "configs": rows,
@@ -206,14 +240,13 @@ def plot(result, path):
     densities = result["densities"]
     rows = result["configs"]
     dense = rows[0]
-    fig, axes = plt.subplots(2, len(densities), figsize=(4.2 * len(densities), 7), squeeze=False, sharey="row")
-    colors = {"dense": "black", "topk_ef": "tab:blue", "topk_noef": "tab:red", "randk_ef": "tab:green"}
+    fig, axes = plt.subplots(2, len(densities), figsize=(max(4.2 * len(densities), 6.3), 7), squeeze=False, sharey="row")
     epochs = np.arange(1, result["epochs"] + 1)
     for column, d in enumerate(densities):
         for row_index, key in enumerate(("test_accuracy", "train_loss")):
             ax = axes[row_index][column]
             for row in [dense] + [r for r in rows if r["density"] == d]:
-                ax.plot(epochs, row["curves"][key], color=colors[row["method"]],
+                ax.plot(epochs, row["curves"][key], color=COLORS[row["method"]],
                         linestyle="--" if row["method"] == "dense" else "-",
                         label=f"{row['label']} ({row['test_accuracy_mean']:.3f})" if key == "test_accuracy"
                         else row["label"])
@@ -226,7 +259,8 @@ def plot(result, path):
                 ax.legend(fontsize=8, loc="lower right")
             if column == 0:
                 ax.set_ylabel("test accuracy" if key == "test_accuracy" else "training loss")
-    fig.suptitle(f"{result['dataset']}: {result['model']}, {result['optimizer']}, "
+    warmup = f", density warm-up {result['warmup_epochs']} epochs" if result.get("warmup_epochs") else ""
+    fig.suptitle(f"{result['dataset']}: {result['model']}, {result['optimizer']}{warmup},\n"
                  f"mean of {result['seeds']} seeds (final test accuracy in the legend)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -245,17 +279,24 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tf_topk.bench convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=("digits", "synthetic"), default="digits")
+    parser.add_argument("--dataset", choices=("digits", "synthetic", "shapes"), default="digits")
+    parser.add_argument("--model", choices=("mlp", "cnn"), default=None,
+                        help="default: cnn for shapes (16x16 images), mlp otherwise")
     parser.add_argument("--densities", type=cli.densities, default=[0.1, 0.01, 0.001])
-    parser.add_argument("--methods", type=_methods, default=list(METHODS),
+    parser.add_argument("--methods", type=_methods, default=list(DEFAULT_METHODS),
                         help=f"comma-separated, among {','.join(METHODS)} (dense always runs)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--hidden", type=lambda t: [int(v) for v in t.split(",")], default=[256, 256],
                         help="hidden layer widths (default 256,256)")
-    parser.add_argument("--learning-rate", type=float, default=0.05)
-    parser.add_argument("--momentum", type=float, default=0.9)
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="the inner optimizer")
+    parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.05 for sgd, 0.001 for adam")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
+    parser.add_argument("--warmup-epochs", type=int, default=0,
+                        help="DGC density warm-up over this many epochs for the sparse methods "
+                             "(tf_topk.schedule.dgc_warmup); 0: the density from the first step")
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian",
                         help="tf_topk selection method")
     parser.add_argument("--min-size", type=int, default=None,
@@ -270,6 +311,14 @@ def main(argv=None):
         args.min_size = DEFAULT_MIN_SIZE
     if args.seeds < 1 or args.epochs < 1 or args.batch_size < 1:
         parser.error("--seeds, --epochs and --batch-size must be >= 1")
+    if args.warmup_epochs < 0:
+        parser.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
+    if args.model is None:
+        args.model = "cnn" if args.dataset == "shapes" else "mlp"
+    if args.learning_rate is None:
+        args.learning_rate = 0.001 if args.optimizer == "adam" else 0.05
+    if "topk_mc" in args.methods and (args.optimizer != "sgd" or args.momentum <= 0):
+        parser.error("topk_mc (momentum correction) needs --optimizer sgd with --momentum > 0")
 
     def log(message):
         print(f"[convergence] {message}", file=sys.stderr, flush=True)

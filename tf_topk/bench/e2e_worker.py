@@ -111,32 +111,6 @@ def make_batches(np, shape, classes, batch_size, seed, index, count=4):
     return batches
 
 
-def configure_heartbeat(timeout_s):
-    """Configure TF's coordination service as MWMS would, with a longer heartbeat timeout.
-
-    MWMS's default (10 s) is too short on a slow link: a heartbeat RPC shares
-    its gRPC connection with the bulk collective data (at start, the chief
-    broadcasts every variable's initial value: 150 MB for `wide` with
-    TopKOptimizer, 12 s at 100 Mbit/s), waits behind it and times out, and the
-    whole cluster aborts ("tasks are unhealthy (stopped sending heartbeats)").
-    A dead worker is still noticed here: the launcher stops all workers when
-    one exits. Uses TF's private context API, as MWMS itself does; MWMS keeps
-    a coordination service that is already configured.
-    """
-    from tensorflow.python.distribute import collective_all_reduce_strategy as mwms_module
-    from tensorflow.python.eager import context
-
-    coordination_config_pb2 = mwms_module.coordination_config_pb2  # where MWMS finds it in this TF
-
-    workers = len(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"])
-    if workers < 2 or context.context().coordination_service is not None:
-        return
-    context.context().configure_coordination_service(
-        service_type="standalone", service_leader="/job:worker/replica:0/task:0",
-        heartbeat_timeout_in_ms=int(timeout_s * 1000),
-        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name="worker", num_tasks=workers)])
-
-
 def parse_config(text):
     """'dense' -> (None); 'topk:0.001' -> 0.001."""
     if text == "dense":
@@ -162,7 +136,8 @@ def parse_args(argv=None):
     p.add_argument("--iface", default="", help="interface whose counters are read ('' for none)")
     p.add_argument("--out", required=True)
     p.add_argument("--heartbeat-timeout", type=float, default=600.0,
-                   help="seconds; TF's coordination service heartbeat (MWMS default: 10)")
+                   help="seconds; TF's coordination service heartbeat (MWMS default: 10), "
+                        "see tf_topk.distribute.configure_coordination")
     p.add_argument("--parent-pid", type=int, default=0)
     p.add_argument("--run-id", default="", help="tag of the benchmark run (for finding leftovers)")
     return p.parse_args(argv)
@@ -172,9 +147,13 @@ def start_strategy(tf, args):
     """MultiWorkerMirroredStrategy, after TF's thread pools and coordination
     service are configured: both are fixed once the runtime starts, so this
     comes before any other TF work."""
+    from tf_topk.distribute import configure_coordination
+
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(max(2, args.threads))
-    configure_heartbeat(args.heartbeat_timeout)
+    # A longer heartbeat timeout: on a slow link heartbeats queue behind the
+    # bulk collective traffic and the default 10 s aborts healthy workers.
+    configure_coordination(heartbeat_timeout_s=args.heartbeat_timeout)
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 

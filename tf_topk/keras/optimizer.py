@@ -23,18 +23,16 @@ Differences from the inner optimizer alone:
   XLA (a GPU machine without a distribution strategy).
 """
 
-import threading
-
 import keras
+import numpy as np
 import tensorflow as tf
 
-from tf_topk.exchange import (DEFAULT_MIN_SIZE, STAT_NAMES, SparseExchange, check_bucket_bytes,
-                              check_min_size)
+from tf_topk.adapter import (InnerOverrides, TopKWrapper, check_exchange_arguments, check_inner_only_arguments,
+                             check_inner_optimizer)
+from tf_topk.exchange import DEFAULT_MIN_SIZE
 from tf_topk.keras.loss_scale_fix import apply_loss_scale_fix
 from tf_topk.keras.mwms_fix import apply_mwms_fix
-from tf_topk.memory import state_name
-from tf_topk.ops import check_method
-from tf_topk.schedule import DensitySchedule
+from tf_topk.replica_state import keeps_replica_values, restore_value, saved_values
 
 
 def disable_dense_all_reduce(optimizer):
@@ -60,38 +58,6 @@ def _check_all_reduce_hook(optimizer):
                            "aggregates gradients differently; tf_topk supports Keras 3.x with TensorFlow")
 
 
-class _DenseAllReduceOff:
-    """Within the block, `optimizer.apply` does not all-reduce; afterwards it
-    does again, so the user's optimizer is left as it was given.
-
-    Reference-counted under a lock: MirroredStrategy runs replicas in threads,
-    which enter and leave the block around the same optimizer concurrently.
-    """
-
-    _lock = threading.Lock()
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    def __enter__(self):
-        optimizer = self.optimizer
-        with self._lock:
-            depth = getattr(optimizer, "_tf_topk_all_reduce_off", 0)
-            if depth == 0:
-                # One switched off by disable_dense_all_reduce stays off.
-                optimizer._tf_topk_restore = "_all_reduce_sum_gradients" not in vars(optimizer)
-                optimizer._all_reduce_sum_gradients = _no_all_reduce
-            optimizer._tf_topk_all_reduce_off = depth + 1
-
-    def __exit__(self, *exc):
-        optimizer = self.optimizer
-        with self._lock:
-            optimizer._tf_topk_all_reduce_off -= 1
-            if optimizer._tf_topk_all_reduce_off == 0 and optimizer._tf_topk_restore:
-                del optimizer._all_reduce_sum_gradients
-        return False
-
-
 # Arguments of keras.optimizers.Optimizer that act in its own `apply`, which the
 # wrapper replaces: they belong on the inner optimizer. get_config writes them
 # with these defaults, so the defaults are accepted (as LossScaleOptimizer does).
@@ -102,19 +68,8 @@ _INNER_ONLY_DEFAULTS = {
 }
 
 
-def _check_inner_only_arguments(kwargs):
-    """Remove the inner-only arguments from kwargs; refuse any that is not its default."""
-    for name, default in _INNER_ONLY_DEFAULTS.items():
-        value = kwargs.pop(name, default)
-        if value != default:
-            raise ValueError(f"TopKOptimizer does not take `{name}` (got {value!r}): set it on the inner "
-                             f"optimizer, e.g. TopKOptimizer(keras.optimizers.SGD(0.1, {name}=...), density=...)")
-    if kwargs:
-        raise ValueError(f"TopKOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}")
-
-
 @keras.saving.register_keras_serializable(package="tf_topk")
-class TopKOptimizer(keras.optimizers.Optimizer):
+class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
     """Top-k gradient sparsification with error feedback around any Keras optimizer.
 
     Args:
@@ -130,7 +85,22 @@ class TopKOptimizer(keras.optimizers.Optimizer):
       bucket_bytes: bytes of (value, index) pairs per all_gather; None: one
         all_gather per step.
       error_feedback: keep residuals (default True).
+      momentum_correction: DGC's momentum correction with momentum factor
+        masking, for an inner `keras.optimizers.SGD` with momentum > 0 (any
+        other inner optimizer: a ValueError). Its momentum and nesterov move
+        into the exchange: each replica keeps a velocity, accumulates it in
+        its residual and sends the top-k of that, and the inner SGD applies
+        the exchanged sum without momentum (its own momentum slots are not
+        made). Recovers what momentum brings at 0.1% density, which plain
+        top-k loses. The velocity is in gradient units: a changing learning
+        rate scales the whole step, not the velocity already built up.
+      local_clipnorm: None, or clip each replica's gradient to this global
+        norm / sqrt(replicas) before it enters the accumulation (DGC's local
+        clipping); think of it as the clip norm of the summed gradient.
       name: optimizer name.
+      exchange_mode: "allgather" (default), "auto" or "allreduce" (agreed
+        indices, bytes per worker that do not grow with the number of
+        workers), as in `tf_topk.SparseExchange`.
 
     Mixed precision: the LossScaleOptimizer goes outside, never inside. Set
     the "mixed_float16" policy and `model.compile` wraps the TopKOptimizer in
@@ -143,110 +113,79 @@ class TopKOptimizer(keras.optimizers.Optimizer):
     Example:
       >>> opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01)
       >>> model.compile(optimizer=opt, loss="mse")
+      >>> dgc = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), density=0.001,
+      ...                             momentum_correction=True)
     """
 
     def __init__(self, inner_optimizer, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
-                 bucket_bytes=None, error_feedback=True, name=None, **kwargs):
-        if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
-            raise ValueError("inner_optimizer must be a keras.optimizers.Optimizer instance, "
-                             f"got {inner_optimizer!r}")
-        if isinstance(inner_optimizer, TopKOptimizer):
-            raise ValueError("inner_optimizer is already a TopKOptimizer; wrap the plain optimizer once")
-        if isinstance(inner_optimizer, keras.mixed_precision.LossScaleOptimizer):
-            # Its apply never reaches the all-reduce switched off here, and the
-            # optimizer inside it would sum the exchanged gradients again.
-            raise ValueError(
-                "TopKOptimizer does not take a LossScaleOptimizer as `inner_optimizer` (got "
-                f"{type(inner_optimizer).__name__}): its updates would be multiplied by the number of replicas. "
-                "Put the LossScaleOptimizer outside: keras.mixed_precision.LossScaleOptimizer("
-                "tf_topk.TopKOptimizer(keras.optimizers.SGD(...), density=...)), or set the 'mixed_float16' "
-                "policy and let model.compile wrap it")
-        check_method(method)
-        DensitySchedule(density)  # validates
-        check_min_size(min_size)
-        check_bucket_bytes(bucket_bytes)
-        _check_inner_only_arguments(kwargs)
+                 bucket_bytes=None, error_feedback=True, momentum_correction=False, local_clipnorm=None,
+                 name=None, exchange_mode="allgather", **kwargs):
+        check_inner_optimizer(inner_optimizer, keras.optimizers.Optimizer, TopKOptimizer,
+                              keras.mixed_precision.LossScaleOptimizer, "keras")
+        arguments = check_exchange_arguments(
+            inner_optimizer, keras.optimizers.SGD, "keras", density=density, method=method, min_size=min_size,
+            bucket_bytes=bucket_bytes, error_feedback=error_feedback, momentum_correction=momentum_correction,
+            local_clipnorm=local_clipnorm, exchange_mode=exchange_mode)
+        check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "keras")
         super().__init__(learning_rate=0.0, name=name or "topk_optimizer")
         apply_mwms_fix()  # keras#20585: model.fit under MultiWorkerMirroredStrategy
         apply_loss_scale_fix()  # mixed precision: all replicas agree on skipping a step
         self.inner_optimizer = inner_optimizer
-        self.density = density
-        self.method = method
-        self.min_size = min_size
-        self.bucket_bytes = bucket_bytes
-        self.error_feedback = bool(error_feedback)
         # The exchange replaces the inner optimizer's dense all-reduce, which is
         # switched off only while this optimizer applies an update through it.
         _check_all_reduce_hook(self.inner_optimizer)
-        self._exchange_object = None
+        self._set_exchange_arguments(arguments, {"_all_reduce_sum_gradients": _no_all_reduce})
 
     # -- state ----------------------------------------------------------------
 
     def build(self, var_list):
         if not self.inner_optimizer.built:
-            self.inner_optimizer.build(var_list)
+            with InnerOverrides(self.inner_optimizer, self._inner_overrides):
+                self.inner_optimizer.build(var_list)
         super().build(var_list)
-        self._residuals = []  # the exchange's state, as tracked Keras variables
+        self._build_exchange(var_list)
 
-        def make_state(variable, dtype, suffix):
-            state = keras.Variable(initializer="zeros", shape=variable.shape, dtype=tf.as_dtype(dtype).name,
-                                   trainable=False, aggregation="sum", synchronization="on_read",
-                                   name=state_name(variable, suffix))
-            self._track_variable(state)
-            self._residuals.append(state)
-            return state.value
+    def _make_variable(self, name, shape, dtype, kind):
+        if kind == "counter":
+            return self.add_variable(shape=shape, dtype=dtype, name=name, aggregation="only_first_replica")
+        variable = keras.Variable(initializer="zeros", shape=shape, dtype=dtype, trainable=False,
+                                  aggregation="sum" if kind == "state" else "only_first_replica",
+                                  synchronization="on_read", name=name)
+        if kind == "state":
+            self._track_variable(variable)  # statistics are tracked as values of a dict attribute
+        return variable
 
-        # Held outside Keras tracking: its state is the Keras variables above.
-        object.__setattr__(self, "_exchange_object", SparseExchange(
-            var_list, density=self.density, method=self.method, min_size=self.min_size,
-            bucket_bytes=self.bucket_bytes, error_feedback=self.error_feedback, make_state=make_state))
-        self.skipped_steps = self.add_variable(shape=(), dtype="int64", name="skipped_steps",
-                                               aggregation="only_first_replica")
-        self._stat_variables = {
-            stat: keras.Variable(initializer="zeros", shape=(), dtype="float32", trainable=False,
-                                 aggregation="only_first_replica", synchronization="on_read",
-                                 name=f"compression_{stat}")
-            for stat in STAT_NAMES
-        }
-
-    @property
-    def exchange(self):
-        """The SparseExchange in use (after the first step or `build`)."""
-        return self._exchange_object
-
-    @property
-    def residuals(self):
-        return list(getattr(self, "_residuals", []))
-
-    def compression_stats(self):
-        """The last step's statistics (this worker's first replica) as floats."""
-        if not getattr(self, "_stat_variables", None):
-            return {}
-        return {stat: float(keras.ops.convert_to_numpy(v.value)) for stat, v in self._stat_variables.items()}
+    def _tf_variable(self, variable):
+        return variable.value
 
     @property
     def variables(self):
         return self._variables + self.inner_optimizer.variables
 
+    def save_own_variables(self, store):
+        """As Keras, except that per-replica state (residuals, velocities)
+        holds every replica's value (`tf_topk.replica_state`): a collective,
+        so under MWMS every worker must save (the chief's file is the one kept)."""
+        values = saved_values([self._tf_variable(variable) for variable in self.variables])
+        for i, value in enumerate(values):
+            store[str(i)] = value.numpy()
+
+    def load_own_variables(self, store):
+        """As Keras, except that each replica gets its own per-replica state
+        back when the number of replicas is unchanged, else sum / replicas."""
+        if len(store.keys()) != len(self.variables):
+            return super().load_own_variables(store)  # Keras's warning
+        for i, variable in enumerate(self.variables):
+            value = np.asarray(store[str(i)])
+            if keeps_replica_values(self._tf_variable(variable)):
+                restore_value(self._tf_variable(variable), value)
+            else:
+                variable.assign(value)
+
     # -- delegation (as LossScaleOptimizer) -----------------------------------
-
-    @property
-    def iterations(self):
-        return self.inner_optimizer.iterations
-
-    @property
-    def learning_rate(self):
-        return self.inner_optimizer.learning_rate
-
-    @learning_rate.setter
-    def learning_rate(self, learning_rate):
-        self.inner_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
-
-    def finalize_variable_values(self, var_list):
-        self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- the step -------------------------------------------------------------
 
@@ -258,46 +197,17 @@ class TopKOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
-        if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
-            raise RuntimeError(
-                "TopKOptimizer.apply must run in a replica context (inside strategy.run or model.fit). "
-                "It was called in a cross-replica context, which is what LossScaleOptimizer does: for mixed "
-                "precision, see TopKOptimizer's documentation.")
-        result = self._exchange_object(grads, step=self.iterations)
-        for stat, variable in self._stat_variables.items():
-            variable.assign(tf.cast(result.stats[stat], tf.float32))
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
-            tf.cond(result.all_finite,
-                    lambda: self._apply_update(result.grads, trainable_variables),
-                    self._skip_update)
-        else:
-            # As LossScaleOptimizer does: the inner update calls merge_call,
-            # which may not sit inside a cond in a replica context, so branch
-            # in the cross-replica context and re-enter the replicas.
-            def branch_in_cross_replica_context(distribution, grads, all_finite):
-                # all_finite is the same on every replica (it was all-reduced).
-                all_finite = distribution.experimental_local_results(all_finite)[0]
-
-                def apply_on_each_replica():
-                    distribution.extended.call_for_each_replica(self._apply_update,
-                                                                args=(grads, trainable_variables))
-                    return tf.constant(True)
-
-                tf.cond(all_finite, apply_on_each_replica, self._skip_update)
-
-            tf.distribute.get_replica_context().merge_call(
-                branch_in_cross_replica_context, args=(result.grads, result.all_finite))
+        self._check_replica_context("apply")
+        result = self._exchange_step(grads)
+        self._apply_or_skip(result.all_finite, lambda grads: self._apply_update(grads, trainable_variables),
+                            result.grads)
         return self.iterations
 
     def _apply_update(self, grads, trainable_variables):
         present = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
-        with _DenseAllReduceOff(self.inner_optimizer):
+        with InnerOverrides(self.inner_optimizer, self._inner_overrides):
             self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
         return tf.constant(True)
-
-    def _skip_update(self):
-        self.skipped_steps.assign_add(1)
-        return tf.constant(False)
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars)
@@ -308,25 +218,10 @@ class TopKOptimizer(keras.optimizers.Optimizer):
 
     # -- serialization --------------------------------------------------------
 
-    def get_config(self):
-        config = super().get_config()
-        for key in ("learning_rate",):
-            config.pop(key, None)
-        config.update({
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "density": DensitySchedule(self.density).get_config(),
-            "method": self.method,
-            "min_size": self.min_size,
-            "bucket_bytes": self.bucket_bytes,
-            "error_feedback": self.error_feedback,
-        })
-        return config
+    @staticmethod
+    def _serialize_inner(optimizer):
+        return keras.saving.serialize_keras_object(optimizer)
 
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"), custom_objects=custom_objects)
-        density = config.pop("density")
-        if isinstance(density, list):
-            density = [tuple(pair) for pair in density]
-        return cls(inner, density=density, **config)
+    @staticmethod
+    def _deserialize_inner(config, custom_objects):
+        return keras.saving.deserialize_keras_object(config, custom_objects=custom_objects)

@@ -1,0 +1,42 @@
+"""`python -m tf_topk.bench scale`: measured bytes per worker equal the volume formulas."""
+
+import json
+
+import pytest
+
+from tf_topk.bench import __main__ as bench_main
+from tf_topk.bench import scale
+
+
+def test_scale_measures_each_mode_and_projects_larger_clusters(capsys):
+    argv = ["scale", "--workers", "2,3", "--size", "10000", "--small", "100", "--density", "0.01", "--steps", "1",
+            "--json"]
+    assert bench_main.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    measured = [r for r in result["rows"] if r["source"] == "measured"]
+    projected = [r for r in result["rows"] if r["source"] == "formula"]
+    assert [r["workers"] for r in measured] == [2, 3] and [r["workers"] for r in projected] == list(scale.PROJECTED)
+    for row in measured:  # the exchange's own statistics agree with the formulas
+        formula = scale.projection(row["workers"], 10000, 100, 0.01)
+        for key in ("dense", "allgather", "allreduce", "auto"):
+            assert row[key] == pytest.approx(formula[key], rel=1e-6), (row, key)
+        assert row["auto_mode"] == formula["auto_mode"]
+    assert [r["auto_mode"] for r in measured] == ["allgather", "allreduce"]
+    # 100 pairs: all_gather sends them to every other worker, the agreed indices stay below 16 bytes a pair.
+    big = projected[-1]
+    assert big["allgather"] > big["dense"] > big["allreduce"] and big["auto"] == big["allreduce"]
+    assert big["allreduce"] < 16 * 100 + scale.ring_all_reduce_bytes(400.0, big["workers"])
+    # all_gather: 8 bytes a pair to each other worker, plus the small variables' ring all-reduce.
+    assert result["targets"]["allgather_growth_P2_to_P3"] == pytest.approx((1600 + 400 * 4 / 3) / (800 + 400),
+                                                                           rel=1e-3)
+    assert result["targets"]["allgather_sparse_growth_P2_to_P3"] == pytest.approx(2.0)
+    assert result["targets"]["allreduce_sparse_growth_P2_to_P3"] == pytest.approx((2 / 3) / (1 / 2), rel=1e-3)
+
+
+def test_scale_refuses_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        scale.main(["--workers", "1,2"])
+    assert "workers must be ints >= 2, got '1,2'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        scale.main(["--small", "5000"])
+    assert "--small must be in [1, 4096)" in capsys.readouterr().err

@@ -1,0 +1,289 @@
+"""The agreed-index all-reduce (exchange_mode="allreduce") and the "auto" choice.
+
+Three replicas run tests/workers/agreed_replicas.py twice: as logical CPUs of
+one process (MirroredStrategy) and as three real worker processes
+(MultiWorkerMirroredStrategy). Both are compared with the algorithm written
+in numpy here: at step t the leader t mod 3 picks its exact top-k, every
+replica sends its own accumulated values there and keeps the rest. Then the
+volume formulas behind exchange_mode="auto", the argument in both Keras
+wrappers, and a Keras fit on three replicas under "auto".
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
+from tf_topk.communicator import MODE_CODES, choose_mode, mode_bytes, ring_all_reduce_bytes
+
+SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
+MIN_SIZE, DENSITY, FIRST_DENSITY, REPLICAS, STEPS, NAN_STEP, MOMENTUM = 1000, 0.01, 0.6, 3, 4, 2, 0.9
+CONFIG = dict(shapes=SHAPES, replicas=REPLICAS, steps=STEPS, density=DENSITY, nan_step=NAN_STEP, min_size=MIN_SIZE,
+              momentum=MOMENTUM, first_density=FIRST_DENSITY)
+SPARSE = [v for v, shape in enumerate(SHAPES) if math.prod(shape) >= MIN_SIZE]
+DENSE = [v for v in range(len(SHAPES)) if v not in SPARSE]
+RUNS = ("ef", "ef_buckets", "dgc", "auto_schedule")
+CLOSE = dict(rtol=2e-5, atol=2e-5)
+
+
+def top_k_indices(flat, k):
+    return np.argsort(-np.abs(flat), kind="stable")[:k]
+
+
+def reference(data, label):
+    """Per step: (all_finite, summed gradients, residuals[r][slot], velocities[r][slot], leader's indices,
+    dense step)."""
+    sizes = [math.prod(shape) for shape in SHAPES]
+    residuals = [[np.zeros(sizes[v], np.float32) for v in SPARSE] for _ in range(REPLICAS)]
+    velocities = [[np.zeros(sizes[v], np.float32) for v in SPARSE] for _ in range(REPLICAS)]
+    dense_velocities = [np.zeros(sizes[v], np.float32) for v in DENSE]
+    steps = []
+    for s in range(STEPS):
+        grads = [[data[f"input/step{s}/grad{v}"][r].reshape(-1) for v in range(len(SHAPES))]
+                 for r in range(REPLICAS)]
+        if s == NAN_STEP and label != "ef":
+            grads = [[np.nan_to_num(g) for g in gs] for gs in grads]
+        finite = all(np.isfinite(g).all() for gs in grads for g in gs)
+        density = FIRST_DENSITY if (label == "auto_schedule" and s == 0) else DENSITY
+        dense_step = label == "auto_schedule" and s == 0
+        summed = [np.zeros(size, np.float32) for size in sizes]
+        leader_indices = []
+        if not finite:
+            steps.append((False, None, [list(x) for x in residuals], None, None, dense_step))
+            continue
+        accumulated = [[None] * len(SPARSE) for _ in range(REPLICAS)]
+        us = [[None] * len(SPARSE) for _ in range(REPLICAS)]
+        for r in range(REPLICAS):
+            for slot, v in enumerate(SPARSE):
+                if label == "dgc":
+                    us[r][slot] = MOMENTUM * velocities[r][slot] + grads[r][v]
+                    accumulated[r][slot] = residuals[r][slot] + us[r][slot]
+                else:
+                    accumulated[r][slot] = grads[r][v] + residuals[r][slot]
+        leader = s % REPLICAS
+        for slot, v in enumerate(SPARSE):
+            n = sizes[v]
+            indices = np.arange(n) if dense_step else top_k_indices(accumulated[leader][slot],
+                                                                    max(1, math.ceil(density * n)))
+            leader_indices.append(indices)
+            for r in range(REPLICAS):
+                sent = np.zeros(n, np.float32)
+                sent[indices] = accumulated[r][slot][indices]
+                residuals[r][slot] = accumulated[r][slot] - sent
+                if label == "dgc":
+                    velocities[r][slot] = np.where(sent != 0, 0.0, us[r][slot]).astype(np.float32)
+                summed[v] += sent
+        for slot, v in enumerate(DENSE):
+            summed[v] = sum(grads[r][v] for r in range(REPLICAS))
+            if label == "dgc":
+                dense_velocities[slot] = MOMENTUM * dense_velocities[slot] + summed[v]
+                summed[v] = dense_velocities[slot].copy()
+        steps.append((True, summed, [list(x) for x in residuals], [list(x) for x in velocities], leader_indices,
+                      dense_step))
+    return steps
+
+
+def expected_bytes(dense_step):
+    sparse_entries = sum(math.prod(SHAPES[v]) for v in SPARSE)
+    dense_entries = sum(math.prod(SHAPES[v]) for v in DENSE)
+    small = ring_all_reduce_bytes(4.0 * dense_entries, REPLICAS)
+    if dense_step:
+        return small + ring_all_reduce_bytes(4.0 * sparse_entries, REPLICAS)
+    pairs = sum(math.ceil(DENSITY * math.prod(SHAPES[v])) for v in SPARSE)
+    return small + 2 * ring_all_reduce_bytes(4.0 * pairs, REPLICAS)
+
+
+def check_against_reference(results):
+    """`results[r]`: what replica r wrote (a dict of arrays)."""
+    for label in RUNS:
+        for s, (finite, summed, residuals, velocities, leader_indices, dense_step) in enumerate(
+                reference(results[0], label)):
+            for r in range(REPLICAS):
+                data, prefix = results[r], f"{label}/step{s}/replica{r}"
+                assert bool(data[f"{prefix}/all_finite"]) == finite, prefix
+                for slot in range(len(SPARSE)):
+                    np.testing.assert_allclose(data[f"{prefix}/residual{slot}"].reshape(-1), residuals[r][slot],
+                                               **CLOSE, err_msg=f"{prefix} residual {slot}")
+                if not finite:
+                    continue
+                for v in range(len(SHAPES)):
+                    np.testing.assert_allclose(data[f"{prefix}/grad{v}"].reshape(-1), summed[v], **CLOSE,
+                                               err_msg=f"{prefix} variable {v}")
+                if label == "dgc":
+                    for slot in range(len(SPARSE)):
+                        np.testing.assert_allclose(data[f"{prefix}/velocity{slot}"].reshape(-1),
+                                                   velocities[r][slot], **CLOSE)
+                # Index agreement: every replica's residual is zero exactly at the leader's indices.
+                for slot, indices in enumerate(leader_indices):
+                    zero = np.flatnonzero(data[f"{prefix}/residual{slot}"].reshape(-1) == 0)
+                    np.testing.assert_array_equal(zero, np.sort(indices))
+                mode = "dense" if dense_step else "allreduce"
+                assert float(data[f"{prefix}/exchange_mode"]) == MODE_CODES[mode]
+                assert float(data[f"{prefix}/bytes_sent"]) == pytest.approx(expected_bytes(dense_step), rel=1e-6)
+    # The leader rotates: the agreed index sets of consecutive steps differ.
+    first, second = reference(results[0], "ef")[:2]
+    assert not np.array_equal(np.sort(first[4][0]), np.sort(second[4][0]))
+
+
+def check_bitwise_identical(results):
+    for label in RUNS:
+        for s in range(STEPS):
+            for v in range(len(SHAPES)):
+                first = results[0][f"{label}/step{s}/replica0/grad{v}"]
+                for r in range(1, REPLICAS):
+                    np.testing.assert_array_equal(results[r][f"{label}/step{s}/replica{r}/grad{v}"], first)
+
+
+@pytest.fixture(scope="module")
+def local_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("agreed_local")
+    env = {**os.environ, **worker_env()}
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "agreed_replicas.py"), str(out), json.dumps(CONFIG)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(out / "local.npz") as saved:
+        data = dict(saved)
+    return [data] * REPLICAS
+
+
+def test_three_replicas_in_one_process_match_numpy(local_results):
+    check_against_reference(local_results)
+    check_bitwise_identical(local_results)
+
+
+def test_three_worker_processes_match_numpy_and_agree_bitwise(tmp_path):
+    result = run_script("agreed_replicas.py", tmp_path, json.dumps(CONFIG), workers=REPLICAS, timeout=110)
+    assert_ok(result)
+    results = []
+    for r in range(REPLICAS):
+        with np.load(tmp_path / f"worker{r}.npz") as saved:
+            results.append(dict(saved))
+    check_against_reference(results)
+    check_bitwise_identical(results)
+
+
+# -- the volume formulas and the "auto" choice ----------------------------------------------
+
+def test_mode_bytes_follow_the_ring_and_all_gather_formulas():
+    assert mode_bytes("dense", 10, 1000, 4) == 2 * 3 / 4 * 4000
+    assert mode_bytes("allgather", 10, 1000, 4) == 3 * 8 * 10
+    assert mode_bytes("allreduce", 10, 1000, 4) == 2 * (2 * 3 / 4 * 40)
+    for replicas in (2, 8, 1024):  # agreed indices stay below 16k bytes; all_gather grows with P
+        assert mode_bytes("allreduce", 10, 1000, replicas) < 16 * 10
+    assert mode_bytes("allgather", 10, 1000, 1024) == 1023 * 80
+    with pytest.raises(ValueError, match="mode must be one of .*'ring'"):
+        mode_bytes("ring", 1, 1, 2)
+
+
+@pytest.mark.parametrize("replicas, pairs, entries, expected", [
+    (2, 10, 10_000, "allgather"),     # equal bytes at P = 2: each replica's own top-k wins the tie
+    (2, 5_000, 10_000, "allgather"),  # k = n/P: all_gather equals dense, still sparse
+    (2, 5_001, 10_000, "dense"),      # above 1/P at P = 2
+    (3, 10, 10_000, "allreduce"),
+    (8, 1_000, 10_000, "allreduce"),  # all_gather would send 7x its pairs, more than dense
+    (8, 5_000, 10_000, "allreduce"),
+    (8, 5_001, 10_000, "dense"),      # the agreed indices cost more than the values: dense
+    (1024, 1, 10_000_000, "allreduce"),
+])
+def test_auto_picks_the_fewest_bytes(replicas, pairs, entries, expected):
+    mode = choose_mode(replicas, pairs, entries)
+    assert mode == expected
+    bytes_of = {m: mode_bytes(m, pairs, entries, replicas) for m in ("dense", "allgather", "allreduce")}
+    assert bytes_of[mode] == min(bytes_of.values()) <= bytes_of["dense"]
+
+
+def test_auto_never_sends_more_than_dense():
+    for replicas in (2, 3, 4, 8, 16, 64, 1024):
+        for entries in (1, 100, 4096, 1_000_000):
+            for pairs in sorted({1, entries // 1000 or 1, entries // replicas or 1, entries // 2 or 1, entries}):
+                mode = choose_mode(replicas, pairs, entries)
+                assert mode_bytes(mode, pairs, entries, replicas) <= mode_bytes("dense", pairs, entries, replicas)
+    assert choose_mode(4, 10, 1000, modes=("allgather", "dense")) == "allgather"
+
+
+def test_exchange_and_optimizer_take_the_mode_and_refuse_a_wrong_one():
+    import keras
+    import tensorflow as tf
+
+    import tf_topk
+
+    with pytest.raises(ValueError, match="exchange_mode must be one of .*'ring'"):
+        tf_topk.SparseExchange([tf.Variable(tf.zeros([10]))], exchange_mode="ring")
+    with pytest.raises(ValueError, match="exchange_mode='allreduce' needs a communicator"):
+        tf_topk.SparseExchange([tf.Variable(tf.zeros([10]))], exchange_mode="allreduce",
+                               communicator=tf_topk.communicator.AllGatherCommunicator())
+    with pytest.raises(ValueError, match="exchange_mode must be one of"):
+        tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), exchange_mode="ring")
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), exchange_mode="allreduce")
+    config = optimizer.get_config()
+    assert config["exchange_mode"] == "allreduce"
+    assert type(optimizer).from_config(config).exchange_mode == "allreduce"
+    assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)).get_config()["exchange_mode"] == "allgather"
+    import tf_keras
+
+    import tf_topk.tf_keras
+
+    legacy = tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), exchange_mode="allgather")
+    assert type(legacy).from_config(legacy.get_config()).exchange_mode == "allgather"
+    with pytest.raises(ValueError, match="exchange_mode must be one of .*'ring'"):
+        tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), exchange_mode="ring")
+
+
+def test_one_replica_sends_nothing_and_keeps_the_residual():
+    import tensorflow as tf
+
+    import tf_topk
+
+    variable = tf.Variable(tf.zeros([5000]))
+    grad = tf.constant(np.random.default_rng(3).standard_normal(5000).astype(np.float32))
+    for mode in ("allgather", "allreduce", "auto"):
+        exchange = tf_topk.SparseExchange([variable], density=0.01, min_size=16, method="exact",
+                                          exchange_mode=mode)
+        result = exchange([grad])
+        sent = result.grads[0].numpy()
+        assert np.count_nonzero(sent) == 50 and float(result.stats["bytes_sent"]) == 0.0
+        np.testing.assert_array_equal(exchange.residuals[0].numpy() + sent, grad.numpy())
+
+
+def test_keras_fit_on_three_replicas_switches_from_dense_to_agreed_indices(tmp_path):
+    """TopKOptimizer with exchange_mode="auto" under model.fit: a warm-up density above
+    1/2 goes dense, then agreed indices, with momentum correction; the
+    replicas' weights stay bitwise identical."""
+    code = textwrap.dedent("""
+        import json
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
+        import keras, tf_topk
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(80), keras.layers.Dense(1)])
+            optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.01, momentum=0.9), density=[(0, 0.6), (2, 0.01)],
+                                              min_size=1000, momentum_correction=True, exchange_mode="auto")
+            model.compile(optimizer=optimizer, loss="mse")
+        x = np.random.default_rng(0).normal(size=(96, 64)).astype("float32")
+        modes = []
+        callback = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: modes.append(optimizer.compression_stats()["exchange_mode"]))
+        history = model.fit(x, x[:, :1], batch_size=24, epochs=2, verbose=0, callbacks=[callback])
+        kernels = [v.numpy() for v in model.layers[0].kernel.value.values]
+        print("RESULT " + json.dumps(dict(modes=modes, losses=history.history["loss"],
+                                          identical=all(np.array_equal(kernels[0], k) for k in kernels))))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    result = json.loads(line[len("RESULT "):])
+    assert result["identical"], result
+    assert result["modes"] == [0.0, 0.0] + [2.0] * 6, result  # 4 batches an epoch: steps 0, 1 dense
+    assert all(math.isfinite(loss) for loss in result["losses"]), result

@@ -1,0 +1,362 @@
+"""What the Keras 3 and the tf_keras (Keras 2) adapters share, importing neither Keras.
+
+`tf_topk.keras.TopKOptimizer` and `tf_topk.tf_keras.TopKOptimizer` differ only
+in how they speak to their Keras: how they make and track variables, and how
+they make the inner optimizer apply without its own dense all-reduce. The rest
+is here, written once: the argument checks, the exchange with its per-replica
+state and statistics, the apply-or-skip branch every replica takes together,
+the configuration, and `CompressionStats`' logic.
+
+A wrapper class puts `TopKWrapper` before its Keras optimizer class and
+defines how its Keras makes variables and (de)serializes the inner optimizer
+(and `_tf_variable` where its variables wrap a tf.Variable):
+
+    class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
+        def _make_variable(self, name, shape, dtype, kind): ...
+        def _serialize_inner(optimizer): ...                    # staticmethod
+        def _deserialize_inner(config, custom_objects): ...     # staticmethod
+"""
+
+import threading
+
+import tensorflow as tf
+from tensorflow.core.framework import summary_pb2
+
+from tf_topk.exchange import (STAT_NAMES, SparseExchange, check_bucket_bytes, check_exchange_mode,
+                              check_local_clipnorm, check_min_size)
+from tf_topk.memory import state_name
+from tf_topk.ops import check_method
+from tf_topk.schedule import DensitySchedule
+
+# The arguments that configure the exchange, in the order get_config writes them.
+EXCHANGE_ARGUMENTS = ("density", "method", "min_size", "bucket_bytes", "error_feedback", "momentum_correction",
+                      "local_clipnorm", "exchange_mode")
+
+
+class InnerOverrides:
+    """Within the block, the inner optimizer's attributes take the given
+    values; afterwards they are as before, so the user's optimizer is left as
+    it was given.
+
+    Used for the dense all-reduce (off: the exchange sums already) and, with
+    momentum correction, the inner SGD's momentum (0: the exchange applies
+    it). Reference-counted under a lock: MirroredStrategy runs replicas in
+    threads, which enter and leave the block around the same optimizer
+    concurrently. The bookkeeping bypasses the optimizer's attribute tracking,
+    so it never lands in a checkpoint.
+
+        with InnerOverrides(sgd, {"momentum": 0.0, "nesterov": False}):
+            sgd.apply_gradients(...)   # plain SGD; its momentum is back afterwards
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, optimizer, overrides):
+        self.optimizer = optimizer
+        self.overrides = overrides
+
+    def __enter__(self):
+        optimizer = self.optimizer
+        with self._lock:
+            depth = getattr(optimizer, "_tf_topk_override_depth", 0)
+            if depth == 0:
+                own = vars(optimizer)
+                object.__setattr__(optimizer, "_tf_topk_saved",
+                                   {name: (name in own, own.get(name)) for name in self.overrides})
+                for name, value in self.overrides.items():
+                    setattr(optimizer, name, value)
+            object.__setattr__(optimizer, "_tf_topk_override_depth", depth + 1)
+
+    def __exit__(self, *exc):
+        optimizer = self.optimizer
+        with self._lock:
+            object.__setattr__(optimizer, "_tf_topk_override_depth", optimizer._tf_topk_override_depth - 1)
+            if optimizer._tf_topk_override_depth == 0:
+                for name, (had_own, value) in optimizer._tf_topk_saved.items():
+                    if had_own:
+                        setattr(optimizer, name, value)
+                    else:
+                        delattr(optimizer, name)
+        return False
+
+
+# -- argument checks --------------------------------------------------------------------------
+
+
+def check_inner_optimizer(inner_optimizer, optimizer_class, wrapper_class, loss_scale_class, keras_name):
+    """The inner optimizer must be a plain optimizer of this Keras: not a wrapper
+    of the same kind, not a LossScaleOptimizer (it goes outside).
+
+    keras_name is the package users import ("keras" or "tf_keras"), used in
+    the messages along with the wrapper's public path."""
+    wrapper_path = "tf_topk.TopKOptimizer" if keras_name == "keras" else f"tf_topk.{keras_name}.TopKOptimizer"
+    if not isinstance(inner_optimizer, optimizer_class):
+        raise ValueError(f"inner_optimizer must be a {keras_name}.optimizers.Optimizer instance, "
+                         f"got {inner_optimizer!r}")
+    if isinstance(inner_optimizer, wrapper_class):
+        raise ValueError("inner_optimizer is already a TopKOptimizer; wrap the plain optimizer once")
+    if isinstance(inner_optimizer, loss_scale_class):
+        # Its apply never reaches the all-reduce switched off by the wrapper,
+        # and the optimizer inside it would sum the exchanged gradients again.
+        raise ValueError(
+            "TopKOptimizer does not take a LossScaleOptimizer as `inner_optimizer` (got "
+            f"{type(inner_optimizer).__name__}): its updates would be multiplied by the number of replicas. "
+            f"Put the LossScaleOptimizer outside: {keras_name}.mixed_precision.LossScaleOptimizer("
+            f"{wrapper_path}({keras_name}.optimizers.SGD(...), density=...)), or set the 'mixed_float16' "
+            "policy and let model.compile wrap it")
+
+
+def check_momentum_correction(inner_optimizer, sgd_class, keras_name):
+    """The inner optimizer must be SGD with momentum: its momentum moves into the exchange."""
+    is_sgd = isinstance(inner_optimizer, sgd_class)
+    if not is_sgd or not inner_optimizer.momentum > 0:
+        what = f"SGD with momentum={inner_optimizer.momentum}" if is_sgd else type(inner_optimizer).__name__
+        raise ValueError(
+            f"momentum_correction=True needs a {keras_name}.optimizers.SGD with momentum > 0 as inner optimizer "
+            f"(its momentum and nesterov move into the exchange), got {what}. For momentum SGD pass e.g. "
+            f"{keras_name}.optimizers.SGD(0.1, momentum=0.9); other optimizers train with momentum_correction=False")
+
+
+def check_inner_only_arguments(kwargs, defaults, keras_name):
+    """Remove the inner optimizer's own arguments from kwargs (as get_config
+    writes them, with their defaults); refuse any other value or name."""
+    for name, default in defaults.items():
+        value = kwargs.pop(name, default)
+        if value != default:
+            raise ValueError(f"TopKOptimizer does not take `{name}` (got {value!r}): set it on the inner "
+                             f"optimizer, e.g. TopKOptimizer({keras_name}.optimizers.SGD(0.1, {name}=...), "
+                             "density=...)")
+    if kwargs:
+        raise ValueError(f"TopKOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}")
+
+
+def check_exchange_arguments(inner_optimizer, sgd_class, keras_name, density, method, min_size, bucket_bytes,
+                             error_feedback, momentum_correction, local_clipnorm, exchange_mode="allgather"):
+    """Check the exchange's arguments; returns them as a dict (EXCHANGE_ARGUMENTS)."""
+    check_method(method)
+    DensitySchedule(density)  # validates
+    check_min_size(min_size)
+    check_bucket_bytes(bucket_bytes)
+    check_local_clipnorm(local_clipnorm)
+    check_exchange_mode(exchange_mode)
+    if momentum_correction:
+        check_momentum_correction(inner_optimizer, sgd_class, keras_name)
+        if not error_feedback:
+            raise ValueError("momentum_correction=True accumulates the velocity in the residuals: "
+                             "it needs error_feedback=True")
+    return dict(density=density, method=method, min_size=min_size, bucket_bytes=bucket_bytes,
+                error_feedback=bool(error_feedback), momentum_correction=bool(momentum_correction),
+                local_clipnorm=local_clipnorm, exchange_mode=exchange_mode)
+
+
+def arguments_from_config(config):
+    """The config of get_config as constructor arguments: (step, density) pairs
+    come back as tuples (JSON turns them into lists)."""
+    config = dict(config)
+    if isinstance(config.get("density"), list):
+        config["density"] = [tuple(pair) for pair in config["density"]]
+    return config
+
+
+# -- the wrapper --------------------------------------------------------------------------------
+
+
+class TopKWrapper:
+    """The Keras-independent half of TopKOptimizer (a mixin before the Keras
+    optimizer class).
+
+    The subclass provides `inner_optimizer`, `_make_variable(name, shape,
+    dtype, kind)` with kind "state" (per-replica, summed when read: residuals
+    and velocities), "counter" (skipped_steps) or "stat" (per-replica, the
+    first replica's when read), and `_serialize_inner(optimizer)` /
+    `_deserialize_inner(config, custom_objects)` for its Keras.
+    """
+
+    def _set_exchange_arguments(self, arguments, overrides):
+        """Keep the checked arguments and the inner optimizer's overrides while
+        this optimizer applies through it (with momentum correction, no second
+        momentum)."""
+        for name in EXCHANGE_ARGUMENTS:
+            setattr(self, name, arguments[name])
+        overrides = dict(overrides)
+        if self.momentum_correction:
+            overrides.update(momentum=0.0, nesterov=False)
+        object.__setattr__(self, "_inner_overrides", overrides)  # a plain dict, not tracked
+        object.__setattr__(self, "_exchange_object", None)
+
+    def _tf_variable(self, variable):
+        """The tf.Variable behind one made by `_make_variable`."""
+        return variable
+
+    def _build_exchange(self, var_list):
+        """The SparseExchange, its per-replica state, skipped_steps and the statistics."""
+        # The exchange's state by suffix ("residual", "momentum"), tracked one by one by _make_variable.
+        object.__setattr__(self, "_exchange_state", {})
+
+        def make_state(variable, dtype, suffix):
+            state = self._make_variable(state_name(variable, suffix), variable.shape, tf.as_dtype(dtype).name, "state")
+            self._exchange_state.setdefault(suffix, []).append(state)
+            return self._tf_variable(state)
+
+        momentum = self.inner_optimizer.momentum if self.momentum_correction else None
+        nesterov = self.inner_optimizer.nesterov if self.momentum_correction else False
+        # Held outside Keras tracking: its state is the variables above.
+        object.__setattr__(self, "_exchange_object", SparseExchange(
+            var_list, density=self.density, method=self.method, min_size=self.min_size,
+            bucket_bytes=self.bucket_bytes, error_feedback=self.error_feedback, make_state=make_state,
+            momentum=momentum, nesterov=nesterov, local_clipnorm=self.local_clipnorm,
+            exchange_mode=self.exchange_mode))
+        self.skipped_steps = self._make_variable("skipped_steps", (), "int64", "counter")
+        self._stat_variables = {stat: self._make_variable(f"compression_{stat}", (), "float32", "stat")
+                                for stat in STAT_NAMES}
+
+    # -- what every wrapper shows ---------------------------------------------------------------
+
+    @property
+    def exchange(self):
+        """The SparseExchange in use (after the first step or `build`)."""
+        return self._exchange_object
+
+    @property
+    def residuals(self):
+        """Per sparsified variable, this replica's residual."""
+        return list(getattr(self, "_exchange_state", {}).get("residual", []))
+
+    @property
+    def velocities(self):
+        """With momentum correction: the per-replica velocities, sparsified
+        variables first, then the dense-path ones."""
+        return list(getattr(self, "_exchange_state", {}).get("momentum", []))
+
+    def compression_stats(self):
+        """The last step's statistics (this worker's first replica) as floats."""
+        if not getattr(self, "_stat_variables", None):
+            return {}
+        return {stat: float(self._tf_variable(v).numpy()) for stat, v in self._stat_variables.items()}
+
+    # The inner optimizer's, read and set there (as LossScaleOptimizer delegates them).
+    iterations = property(lambda self: self.inner_optimizer.iterations,
+                          lambda self, value: setattr(self.inner_optimizer, "iterations", value))
+    learning_rate = property(lambda self: self.inner_optimizer.learning_rate,
+                             lambda self, value: setattr(self.inner_optimizer, "learning_rate", value))
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def _check_replica_context(self, method):
+        if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
+            raise RuntimeError(
+                f"TopKOptimizer.{method} must run in a replica context (inside strategy.run or model.fit). "
+                "It was called in a cross-replica context, which is what LossScaleOptimizer does: for mixed "
+                "precision, see TopKOptimizer's documentation.")
+
+    def _exchange_step(self, grads):
+        """Exchange `grads` (one per variable of `build`, None allowed) and record the statistics."""
+        result = self._exchange_object(grads, step=self.iterations)
+        for stat, variable in self._stat_variables.items():
+            variable.assign(tf.cast(result.stats[stat], tf.float32))
+        return result
+
+    def _apply_or_skip(self, all_finite, apply, grads):
+        """`apply(grads)` on every replica when all_finite, else count a skipped
+        step; `apply` returns tf.constant(True).
+
+        all_finite is the same on every replica (the exchange all-reduced it).
+        Where the strategy needs merge_call (the inner update calls it, and it may
+        not sit inside a cond in a replica context), branch in the cross-replica
+        context and re-enter the replicas, as LossScaleOptimizer does.
+        """
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+            tf.cond(all_finite, lambda: apply(grads), self._skip_update)
+            return
+
+        def branch_in_cross_replica_context(distribution, grads, all_finite):
+            all_finite = distribution.experimental_local_results(all_finite)[0]
+
+            def apply_on_each_replica():
+                distribution.extended.call_for_each_replica(apply, args=(grads,))
+                return tf.constant(True)
+
+            tf.cond(all_finite, apply_on_each_replica, self._skip_update)
+
+        tf.distribute.get_replica_context().merge_call(branch_in_cross_replica_context, args=(grads, all_finite))
+
+    def _skip_update(self):
+        self.skipped_steps.assign_add(1)
+        return tf.constant(False)
+
+    # -- configuration: the subclass serializes its inner optimizer ------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        config.pop("learning_rate", None)  # the inner optimizer's
+        config["inner_optimizer"] = self._serialize_inner(self.inner_optimizer)
+        config.update({name: getattr(self, name) for name in EXCHANGE_ARGUMENTS})
+        config["density"] = DensitySchedule(self.density).get_config()
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = arguments_from_config(config)
+        return cls(cls._deserialize_inner(config.pop("inner_optimizer"), custom_objects), **config)
+
+
+def find_topk_optimizer(optimizer):
+    """The TopKOptimizer (of either Keras) in `optimizer`, unwrapping LossScaleOptimizer; None if absent."""
+    while optimizer is not None:
+        if isinstance(optimizer, TopKWrapper):
+            return optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return None
+
+
+# -- CompressionStats ---------------------------------------------------------------------------
+
+# What TensorBoard's scalar summary writes, without needing the tensorboard
+# package: tf.summary.scalar raises TBNotInstalledError without it, and
+# TensorFlow 2.21 does not depend on it.
+_SCALAR_METADATA = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMetadata.PluginData(
+    plugin_name="scalars"))
+
+
+class CompressionStatsLogic:
+    """The behaviour of CompressionStats (a mixin before each Keras's Callback):
+    the statistics in the epoch logs, and as TensorBoard scalars with `log_dir`."""
+
+    def _init_stats(self, log_dir, update_freq):
+        if isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1:
+            raise ValueError(f"update_freq must be an int >= 1, got {update_freq!r}")
+        self.log_dir = log_dir
+        self.update_freq = update_freq
+        self._writer = None
+        self._step = 0
+
+    def _optimizer(self):
+        optimizer = find_topk_optimizer(self.model.optimizer)
+        if optimizer is None:
+            raise ValueError("CompressionStats needs a model compiled with tf_topk.TopKOptimizer, "
+                             f"got optimizer {self.model.optimizer!r}")
+        return optimizer
+
+    def on_train_begin(self, logs=None):
+        self._optimizer()
+        if self.log_dir:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step += 1
+        if self._writer is not None and self._step % self.update_freq == 0:
+            with self._writer.as_default(step=self._step):
+                for name, value in self._optimizer().compression_stats().items():
+                    tf.summary.write(f"topk/{name}", tf.cast(value, tf.float32), metadata=_SCALAR_METADATA)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            for name, value in self._optimizer().compression_stats().items():
+                logs[f"topk_{name}"] = value
+
+    def on_train_end(self, logs=None):
+        if self._writer is not None:
+            self._writer.flush()
