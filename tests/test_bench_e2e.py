@@ -154,17 +154,18 @@ def _ring_bytes(entries, replicas):
 
 def _expected_bytes_sent(shapes, density, replicas, min_size=MIN_SIZE):
     """What the exchange should report per worker and step: (value, index) pairs of 8 bytes to every
-    other replica for the sparsified variables, plus the ring all-reduce of the dense ones."""
+    other replica for the sparsified variables, plus the dense ones and the non-finite count, which
+    ride in the same all_gather at 2 workers (as many bytes as their ring all-reduce)."""
     sizes = [math.prod(s) for s in shapes]
     if density is None:
         return _ring_bytes(sum(sizes), replicas)
     k_total = sum(max(1, min(n, math.ceil(density * n))) for n in sizes if n >= min_size)
-    dense_entries = sum(n for n in sizes if n < min_size)
+    dense_entries = sum(n for n in sizes if n < min_size) + 1
     return (replicas - 1) * 8 * k_total + _ring_bytes(dense_entries, replicas)
 
 
 def test_byte_arithmetic_matches_the_library():
-    from tf_topk.communicator import AllGatherCommunicator, ring_all_reduce_bytes
+    from tf_topk.communicator import gather_bytes, mode_bytes, ring_all_reduce_bytes
     from tf_topk.exchange import DEFAULT_MIN_SIZE
 
     assert DEFAULT_MIN_SIZE == MIN_SIZE
@@ -172,10 +173,11 @@ def test_byte_arithmetic_matches_the_library():
         for entries in (1, 2826, 68362):
             ring = _ring_bytes(entries, replicas) if replicas > 1 else 0.0
             assert ring_all_reduce_bytes(4.0 * entries, replicas) == pytest.approx(ring)
-            assert AllGatherCommunicator().bytes_sent(656, entries, replicas) == pytest.approx(
-                (replicas - 1) * 8 * 656 + ring)
-    # The tiny model: 256 x 256 kernel sparsified (k = 656 at 0.01); 2,826 dense entries.
-    assert _expected_bytes_sent(TINY_SHAPES, 0.01, 2) == 8 * 656 + 4 * 2826 == 16552
+            assert mode_bytes("allgather", 656, entries, replicas) == (replicas - 1) * 8 * 656
+            assert gather_bytes(entries, replicas) == pytest.approx(ring if replicas <= 2 else
+                                                                   (replicas - 1) * 4 * entries)
+    # The tiny model: 256 x 256 kernel sparsified (k = 656 at 0.01); 2,826 dense entries and the count.
+    assert _expected_bytes_sent(TINY_SHAPES, 0.01, 2) == 8 * 656 + 4 * 2827 == 16556
     assert _expected_bytes_sent(TINY_SHAPES, None, 2) == 4 * 68362
 
 

@@ -14,8 +14,9 @@ import pytest
 import tensorflow as tf
 
 import tf_topk
-from tf_topk.communicator import AllGatherCommunicator, ring_all_reduce_bytes
-from tf_topk.memory import ErrorFeedbackMemory, NoMemory, make_state_variable
+from tf_topk.communicator import (DENSE_CARRY_BYTES, AllGatherCommunicator, carry_in_gather, gather_bytes,
+                                  ring_all_reduce_bytes)
+from tf_topk.memory import Compensation, ErrorFeedbackMemory, NoMemory, make_state_variable
 from tf_topk.selector import RandomKSelector, TopKSelector
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,15 +76,15 @@ def test_error_feedback_memory_over_several_steps():
     k = 30
     for step in range(4):
         grad = rng.standard_normal((6, 50)).astype(np.float32)
-        accumulated = memory.compensate(0, tf.constant(grad), tf.constant(True))
-        np.testing.assert_allclose(accumulated.numpy(), grad.reshape(-1) + expected, rtol=1e-6)
-        values, indices = TopKSelector("exact").select(accumulated, k)
-        keep = tf.constant(step != 2)  # step 2: as if a replica had a NaN
-        remaining = memory.update(0, accumulated, values, indices, keep)
-        if step != 2:
-            expected = accumulated.numpy() - numpy_top_k(accumulated.numpy(), k)
+        compensation = memory.compensate(0, tf.constant(grad))
+        selection = tf_topk.error_feedback_topk(compensation.gradient, compensation.residual, k, method="exact")
+        accumulated = grad.reshape(-1) + expected
+        np.testing.assert_allclose(selection.remaining.numpy(), accumulated - numpy_top_k(accumulated, k),
+                                   rtol=1e-6)
+        if step != 2:  # step 2: as if a replica had a NaN: the exchange does not call update
+            memory.update(0, compensation, selection.remaining, selection.values, selection.indices)
+            expected = accumulated - numpy_top_k(accumulated, k)
         np.testing.assert_allclose(residual.numpy().reshape(-1), expected, rtol=1e-6)
-        np.testing.assert_allclose(remaining.numpy(), expected, rtol=1e-6)
 
 
 def test_error_feedback_memory_keeps_float64_and_refuses_a_wrong_residual_count():
@@ -99,10 +100,12 @@ def test_no_memory_keeps_nothing():
     memory = NoMemory()
     memory.build([tf.Variable(tf.zeros([10]))], make_state_variable)
     assert memory.state_variables == [] and not memory.keeps_unsent
-    accumulated = memory.compensate(0, tf.constant(np.arange(10, dtype=np.float64)), tf.constant(True))
-    assert accumulated.dtype == tf.float32
-    remaining = memory.update(0, accumulated, tf.constant([9.0]), tf.constant([9]), tf.constant(True))
-    np.testing.assert_array_equal(remaining.numpy(), np.r_[np.arange(9), 0].astype(np.float32))
+    compensation = memory.compensate(0, tf.constant(np.arange(10, dtype=np.float32)))
+    np.testing.assert_array_equal(compensation.residual.numpy(), np.zeros(10, np.float32))
+    selection = tf_topk.error_feedback_topk(compensation.gradient, compensation.residual, 1)
+    np.testing.assert_array_equal(selection.remaining.numpy(), np.r_[np.arange(9), 0].astype(np.float32))
+    memory.update(0, compensation, selection.remaining, selection.values, selection.indices)  # keeps nothing
+    assert memory.state_variables == []
 
 
 # -- communicator ---------------------------------------------------------------------------
@@ -110,16 +113,24 @@ def test_no_memory_keeps_nothing():
 def test_all_gather_communicator_with_one_replica_scatters_locally():
     communicator = AllGatherCommunicator()
     context = tf.distribute.get_replica_context()
-    dense = communicator.exchange_pairs(context, tf.constant([2.0, 0.0, -1.0]), tf.constant([4, 0, 1]), 6)
+    dense, carried = communicator.exchange_pairs(context, tf.constant([2.0, 0.0, -1.0]), tf.constant([4, 0, 1]), 6)
     np.testing.assert_array_equal(dense.numpy(), [0, -1, 0, 0, 2, 0])
-    assert communicator.bytes_sent(100.0, 1000.0, 1) == 0.0
-    assert communicator.bytes_sent(100.0, 1000.0, 4) == 3 * 8 * 100 + ring_all_reduce_bytes(4000.0, 4)
+    assert carried is None
     assert ring_all_reduce_bytes(4000.0, 4) == 2 * 3 / 4 * 4000
+    assert gather_bytes(1000, 4) == 3 * 4 * 1000 and gather_bytes(1000, 1) == 0
+
+
+def test_dense_gradients_ride_in_the_all_gather_while_the_extra_bytes_are_small():
+    assert carry_in_gather(10**9, 2)  # P = 2: gathering sends what the ring all-reduce sends
+    assert carry_in_gather(4096, 4)  # 16 KiB more than a ring all-reduce of 4,096 entries
+    assert not carry_in_gather(100_000, 4)  # 200 KB more: a separate all-reduce is cheaper
+    assert carry_in_gather(DENSE_CARRY_BYTES // 4, 3) and not carry_in_gather(DENSE_CARRY_BYTES, 3)
 
 
 def test_all_gather_communicator_with_two_replicas_sums_pairs_and_dense_tensors(tmp_path):
     """Two replicas (MirroredStrategy over two logical CPUs, in a fresh process):
-    each sends its own pairs; both get the same dense sum."""
+    each sends its own pairs; both get the same dense sum, and the carried
+    tensor summed."""
     code = textwrap.dedent("""
         import numpy as np, tensorflow as tf
         cpu = tf.config.list_physical_devices("CPU")[0]
@@ -133,12 +144,12 @@ def test_all_gather_communicator_with_two_replicas_sums_pairs_and_dense_tensors(
             r = tf.cast(context.replica_id_in_sync_group, tf.float32)
             values = tf.stack([1.0 + r, 10.0 * (1.0 + r), 0.0])
             indices = tf.stack([tf.cast(r, tf.int32), 5, 0])  # index 5 from both; a spare slot
-            pairs = communicator.exchange_pairs(context, values, indices, 8)
+            pairs, carried = communicator.exchange_pairs(context, values, indices, 8, carry=tf.fill([2], r + 1.0))
             dense = communicator.all_reduce_dense(context, [tf.fill([3], r + 1.0), r])
-            return pairs, dense[0], dense[1]
+            return pairs, dense[0], dense[1], carried
 
-        pairs, dense, flag = tf.function(lambda: strategy.run(replica_fn))()
-        for name, result in (("pairs", pairs), ("dense", dense), ("flag", flag)):
+        pairs, dense, flag, carried = tf.function(lambda: strategy.run(replica_fn))()
+        for name, result in (("pairs", pairs), ("dense", dense), ("flag", flag), ("carried", carried)):
             for local in strategy.experimental_local_results(result):
                 print(name, local.numpy().tolist())
     """)
@@ -147,9 +158,11 @@ def test_all_gather_communicator_with_two_replicas_sums_pairs_and_dense_tensors(
     proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.split(" ")[0] in ("pairs", "dense", "flag")]
+    lines = [line for line in proc.stdout.splitlines()
+             if line.split(" ")[0] in ("pairs", "dense", "flag", "carried")]
     expected_pairs = [1.0, 2.0, 0.0, 0.0, 0.0, 30.0, 0.0, 0.0]
-    assert lines == [f"pairs {expected_pairs}"] * 2 + ["dense [3.0, 3.0, 3.0]"] * 2 + ["flag 1.0"] * 2
+    assert lines == ([f"pairs {expected_pairs}"] * 2 + ["dense [3.0, 3.0, 3.0]"] * 2 + ["flag 1.0"] * 2
+                     + ["carried [3.0, 3.0]"] * 2)
 
 
 # -- new parts plug in without touching the exchange ---------------------------------------
@@ -165,9 +178,8 @@ class LargestPositiveSelector:
 class DecayingMemory(ErrorFeedbackMemory):
     """A memory in a few lines: error feedback whose residual decays by half each step."""
 
-    def compensate(self, slot, grad, keep):
-        residual = self.residuals[slot]
-        return tf.reshape(tf.cast(grad, residual.dtype), [-1]) + 0.5 * tf.reshape(residual, [-1])
+    def compensate(self, slot, grad):
+        return Compensation(grad, 0.5 * tf.convert_to_tensor(self.residuals[slot]), None)
 
 
 def test_a_new_selector_and_memory_plug_into_the_exchange():

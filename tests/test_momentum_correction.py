@@ -36,10 +36,12 @@ def test_memory_follows_dgc_and_a_step_not_kept_changes_nothing(nesterov):
         grad = rng.standard_normal(200).astype(np.float32)
         keep = step != 3  # step 3: as if a replica had a NaN
         before = velocity.numpy().copy(), residual.numpy().copy()
-        accumulated = memory.compensate(0, tf.constant(grad), tf.constant(keep))
-        values, indices = TopKSelector("exact").select(accumulated, k)
-        memory.update(0, accumulated, values, indices, tf.constant(keep))
-        if not keep:
+        compensation = memory.compensate(0, tf.constant(grad))
+        selection = tf_topk.error_feedback_topk(compensation.gradient, compensation.residual, k, method="exact")
+        accumulated = compensation.gradient + compensation.residual
+        if keep:  # the exchange updates the memory only on a kept step
+            memory.update(0, compensation, selection.remaining, selection.values, selection.indices)
+        else:
             np.testing.assert_array_equal(velocity.numpy(), before[0])
             np.testing.assert_array_equal(residual.numpy(), before[1])
             continue

@@ -2,6 +2,7 @@
 
 Public names:
   approx_topk      the selection op (CPU and CUDA kernels)
+  error_feedback_topk  gradient + residual, selection and what remains, in one op
   SparseExchange   error-compensated top-k exchange for any tf.distribute replica context
   ExchangeResult   what an exchange returns
   DensitySchedule  constant or scheduled density (k per variable)
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "approx_topk": "tf_topk.ops",
+    "error_feedback_topk": "tf_topk.ops",
     "DensitySchedule": "tf_topk.schedule",
     "ExchangeResult": "tf_topk.exchange",
     "SparseExchange": "tf_topk.exchange",

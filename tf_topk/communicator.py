@@ -23,14 +23,34 @@ def ring_all_reduce_bytes(num_bytes, replicas):
     return 2.0 * (replicas - 1) / replicas * num_bytes if replicas > 1 else 0.0
 
 
-class AllGatherCommunicator:
-    """One `all_gather` per bucket of pairs; densified replica by replica.
+def gather_bytes(entries, replicas):
+    """Bytes each worker sends in an all_gather of `entries` float32 entries per replica."""
+    return (replicas - 1) * 4.0 * entries
 
-    The bucket's values and bit-cast indices travel in one float32 buffer.
-    Every replica scatter-adds the gathered pairs replica by replica, in
-    replica order: within one replica's pairs the indices are distinct (spare
-    slots add 0), so each scatter-add is order-free and every replica
-    computes bitwise the same sum.
+
+# What one more collective per step is worth in bytes: its latency (rounds of
+# messages between workers, about half a millisecond) at 1 Gbit/s.
+DENSE_CARRY_BYTES = 64 * 1024
+
+
+def carry_in_gather(entries, replicas):
+    """Whether an all_gather should carry `entries` float32 dense entries
+    (summed after it) instead of a separate all-reduce of them: gathering
+    sends (P-1) * 4m bytes where the ring all-reduce sends 2(P-1)/P * 4m, so
+    the same at P = 2 and more above; worth it while the extra bytes stay
+    within DENSE_CARRY_BYTES."""
+    return gather_bytes(entries, replicas) - ring_all_reduce_bytes(4.0 * entries, replicas) <= DENSE_CARRY_BYTES
+
+
+class AllGatherCommunicator:
+    """One `all_gather` per bucket of pairs; densified in one scatter.
+
+    The bucket's values and bit-cast indices (and, when the exchange asks,
+    the dense-path gradients with the non-finite count) travel in one float32
+    buffer. Every replica scatters all gathered pairs in ONE `tf.scatter_nd`,
+    replica 0's first: TensorFlow's CPU kernel adds updates in input order,
+    so every replica computes bitwise the same sum (within one replica's
+    pairs the indices are distinct; spare slots add 0).
     """
 
     def all_reduce_dense(self, context, tensors):
@@ -39,23 +59,26 @@ class AllGatherCommunicator:
             return list(tensors)
         return context.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
 
-    def exchange_pairs(self, context, values, indices, size):
-        """The dense float32 [size] sum over replicas of scatter(values, indices)."""
-        dense = tf.zeros([size], tf.float32)
+    def exchange_pairs(self, context, values, indices, size, carry=None):
+        """The dense float32 [size] sum over replicas of scatter(values,
+        indices), and the sum over replicas of `carry` (float32 [m], or None),
+        summed in replica order in the same all_gather."""
         replicas = context.num_replicas_in_sync
+        shape = tf.reshape(tf.constant(size, tf.int32), [1])
         if replicas == 1:
-            return tf.tensor_scatter_nd_add(dense, tf.expand_dims(indices, 1), values)
-        buffer = tf.concat([values, tf.bitcast(indices, tf.float32)], 0)
-        gathered = tf.reshape(context.all_gather(buffer, axis=0), [replicas, 2, -1])
-        for replica in range(replicas):
-            replica_indices = tf.bitcast(gathered[replica, 1], tf.int32)
-            dense = tf.tensor_scatter_nd_add(dense, tf.expand_dims(replica_indices, 1), gathered[replica, 0])
-        return dense
-
-    def bytes_sent(self, pairs, dense_entries, replicas):
-        """Bytes a worker sends per step: its pairs to every other replica,
-        plus the ring all-reduce of the dense float32 entries."""
-        return (replicas - 1) * 8.0 * pairs + ring_all_reduce_bytes(4.0 * dense_entries, replicas)
+            return tf.scatter_nd(tf.expand_dims(indices, 1), values, shape), carry
+        parts = [values, tf.bitcast(indices, tf.float32)] + ([] if carry is None else [carry])
+        rows = tf.reshape(context.all_gather(tf.concat(parts, 0), axis=0), [replicas, -1])
+        k = tf.size(values)
+        all_values = tf.reshape(rows[:, :k], [-1])
+        all_indices = tf.bitcast(tf.reshape(rows[:, k:2 * k], [-1]), tf.int32)
+        dense = tf.scatter_nd(tf.expand_dims(all_indices, 1), all_values, shape)
+        if carry is None:
+            return dense, None
+        summed = rows[0, 2 * k:]
+        for replica in range(1, replicas):
+            summed = summed + rows[replica, 2 * k:]
+        return dense, summed
 
     def __repr__(self):
         return "AllGatherCommunicator()"
@@ -128,15 +151,22 @@ class AgreedIndexCommunicator(AllGatherCommunicator):
         summed = context.all_reduce(tf.distribute.ReduceOp.SUM, code)
         return tf.maximum(summed - 1, 0), summed > 0
 
-    def sum_values(self, context, values, indices, size):
+    def sum_values(self, context, values, indices, size, carry=None):
         """The dense float32 [size] scatter of the SUM over replicas of
         `values` (float32 [K]), all taken at the same `indices` (None: all
-        entries, in order)."""
+        entries, in order), and the SUM of `carry` (float32 [m], or None)
+        from the same all-reduce."""
+        summed_carry = carry
         if context.num_replicas_in_sync > 1:
-            values = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+            if carry is None:
+                values = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+            else:
+                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([values, carry], 0))
+                values, summed_carry = tf.split(summed, [-1, int(carry.shape[0])])
         if indices is None:
-            return values
-        return tf.tensor_scatter_nd_add(tf.zeros([size], tf.float32), tf.expand_dims(indices, 1), values)
+            return values, summed_carry
+        return (tf.scatter_nd(tf.expand_dims(indices, 1), values, tf.reshape(tf.constant(size, tf.int32), [1])),
+                summed_carry)
 
     def __repr__(self):
         return "AgreedIndexCommunicator()"

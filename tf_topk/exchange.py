@@ -46,8 +46,9 @@ import math
 
 import tensorflow as tf
 
-from tf_topk.communicator import (MODE_CODES, AgreedIndexCommunicator, AllGatherCommunicator, choose_mode,
-                                  mode_bytes, ring_all_reduce_bytes)
+from tf_topk import ops
+from tf_topk.communicator import (MODE_CODES, AgreedIndexCommunicator, AllGatherCommunicator, carry_in_gather,
+                                  choose_mode, gather_bytes, mode_bytes, ring_all_reduce_bytes)
 from tf_topk.memory import ErrorFeedbackMemory, MomentumCorrectionMemory, NoMemory, make_state_variable
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
 from tf_topk.schedule import DensitySchedule
@@ -297,13 +298,11 @@ class SparseExchange(tf.Module):
         iterations) is required when the density is scheduled.
         """
         grads, context = self._check_call(grads)
-        if self.local_clipnorm is not None:
-            grads = self._clip_locally(grads, context.num_replicas_in_sync)
-        out = [None] * len(grads)
-        all_finite = self._reduce_dense(grads, context, out)
-        totals = collections.defaultdict(lambda: tf.constant(0.0, tf.float32))
         replicas = context.num_replicas_in_sync
-        plans = []  # per bucket: members, k per member, path, dense
+        if self.local_clipnorm is not None:
+            grads = self._clip_locally(grads, replicas)
+        totals = collections.defaultdict(lambda: tf.constant(0.0, tf.float32))
+        plans = []
         for bucket in self._buckets:
             members = [p for p in bucket if grads[p] is not None]
             if members:
@@ -311,15 +310,43 @@ class SparseExchange(tf.Module):
                 plans.append((members, ks, *self._bucket_mode(ks, [self._specs[p].size for p in members], replicas)))
         agrees = any(path == "allreduce" and dense is not True for _, _, path, dense in plans)
         leader = self._leader(step, replicas) if agrees else None
-        for members, ks, path, dense in plans:
-            dense_bucket = self._exchange_bucket(members, ks, path, dense, grads, all_finite, leader, context, totals)
+        # 1. Local work, no communication but the agreement on indices: every
+        #    sparsified variable's compensation and selection (the fused op).
+        selections = [self._select_bucket(members, ks, path, dense, grads, leader, context, totals)
+                      for members, ks, path, dense in plans]
+        # 2. The dense-path gradients and the non-finite count travel in one
+        #    of the buckets' collectives when that is cheaper, else on their own.
+        dense_positions = [i for i, g in enumerate(grads) if g is not None and not self._specs[i].sparse]
+        small = [grads[i] for i in dense_positions]
+        non_finite = tf.add_n([_non_finite_count(g) for g in small]
+                              + [tf.cast(s.stats[2], tf.float32) for sel in selections for s in sel.pieces])
+        carrier = self._carrier(plans, small, replicas)
+        out = [None] * len(grads)
+        carried = None
+        if carrier is None:
+            reduced = self.communicator.all_reduce_dense(context, small + [non_finite])
+            totals["other_bytes"] += ring_all_reduce_bytes(4.0 * (sum(self._specs[i].size for i in dense_positions)
+                                                                  + 1), replicas)
+        # 3. One collective per bucket (two with agreed indices); scatter.
+        for index, ((members, ks, path, dense), selection) in enumerate(zip(plans, selections)):
+            carry = _pack(small, non_finite) if index == carrier else None
+            dense_bucket, summed_carry = self._send_bucket(members, path, dense, selection, carry, context, totals)
+            if carry is not None:
+                carried = summed_carry
             offset = 0
             for position in members:
                 spec = self._specs[position]
                 piece = dense_bucket[offset:offset + spec.size]
                 out[position] = tf.reshape(tf.cast(piece, spec.dtype), spec.shape)
                 offset += spec.size
-        return ExchangeResult(out, all_finite, self._stats(grads, totals, context.num_replicas_in_sync))
+        if carried is not None:
+            reduced = _unpack(carried, small)
+        all_finite = tf.equal(reduced[-1], 0.0)
+        for position, tensor in zip(dense_positions, reduced[:-1]):
+            out[position] = self.memory.apply_dense(self._dense_slot[position], tensor, all_finite)
+        # 4. State changes only when every replica's step was finite.
+        self._update_memory(selections, all_finite)
+        return ExchangeResult(out, all_finite, self._stats(grads, totals, replicas))
 
     def _check_call(self, grads):
         """The gradients as dense tensors (or None), and the replica context."""
@@ -344,20 +371,6 @@ class SparseExchange(tf.Module):
         for position, tensor in zip(present, clipped):
             grads[position] = tensor
         return grads
-
-    def _reduce_dense(self, grads, context, out):
-        """All-reduces the small variables' gradients into `out` together with
-        the count of non-finite entries on all replicas; returns all_finite:
-        non-finite entries anywhere make every replica skip the step."""
-        present = [i for i, g in enumerate(grads) if g is not None]
-        non_finite = tf.add_n([tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(grads[i])), tf.float32))
-                               for i in present])
-        dense_positions = [i for i in present if not self._specs[i].sparse]
-        reduced = self.communicator.all_reduce_dense(context, [grads[i] for i in dense_positions] + [non_finite])
-        all_finite = tf.equal(reduced[-1], 0.0)
-        for position, tensor in zip(dense_positions, reduced[:-1]):
-            out[position] = self.memory.apply_dense(self._dense_slot[position], tensor, all_finite)
-        return all_finite
 
     def _leader(self, step, replicas):
         """The replica whose indices the agreed-index mode sends: step mod P."""
@@ -388,33 +401,88 @@ class SparseExchange(tf.Module):
         pairs = tf.add_n([tf.cast(k, tf.float32) for k in ks])
         return "allreduce", mode_bytes("allreduce", pairs, entries, replicas) > dense_bytes
 
-    def _exchange_bucket(self, members, ks, path, dense, grads, all_finite, leader, context, totals):
-        """Select, remember and send one bucket; returns its dense float32 sum
-        over replicas and adds its statistics to `totals`."""
+    def _carrier(self, plans, small, replicas):
+        """Index of the bucket whose collective carries the dense-path
+        gradients and the non-finite count, or None for a separate all-reduce.
+
+        An agreed-index bucket's value all-reduce carries them at no extra
+        byte. An all_gather bucket carries them when the extra bytes of
+        gathering instead of reducing them, (P-1) * 4m * (1 - 2/P) (none at
+        P = 2), stay within `DENSE_CARRY_BYTES`, what one collective's
+        latency is worth on a 1 Gbit/s link (`carry_in_gather`). float64
+        dense gradients always take the separate all-reduce (the buffers are
+        float32).
+        """
+        if replicas == 1 or not plans or any(g.dtype == tf.float64 for g in small):
+            return None
+        for index, (_, _, path, dense) in enumerate(plans):
+            if path == "allreduce" and dense is not True:
+                return index
+        entries = sum(int(g.shape.num_elements()) for g in small) + 1
+        for index, (_, _, path, _) in enumerate(plans):
+            if path == "allgather" and carry_in_gather(entries, replicas):
+                return index
+        return None
+
+    def _select(self, slot, grad, k):
+        """The memory's compensation and the fused selection of one sparsified
+        variable: an ErrorFeedbackSelection (values, indices, remaining, stats)."""
+        compensation = self.memory.compensate(slot, grad)
+        fused = isinstance(self.selector, TopKSelector)
+        selection = ops.error_feedback_topk(compensation.gradient, compensation.residual, k if fused else 0,
+                                            method=self.method)
+        if not fused:  # another selector: the op adds, the selector picks
+            accumulated = selection.remaining
+            values, indices = self.selector.select(accumulated, k)
+            selection = _taken_out(selection, accumulated, values, indices)
+        return compensation, selection
+
+    def _select_bucket(self, members, ks, path, dense, grads, leader, context, totals):
+        """Selects every member of a bucket (and agrees on the leader's indices
+        on the agreed-index path); returns a _BucketSelection."""
         slots = [self._slot[p] for p in members]
         sizes = [self._specs[p].size for p in members]
-        accumulated = [self.memory.compensate(slot, grads[p], all_finite) for slot, p in zip(slots, members)]
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        replicas = context.num_replicas_in_sync
         if path == "allgather":
-            selected = [self.selector.select(a, k) for a, k in zip(accumulated, ks)]
-            values = self._remember(slots, accumulated, selected, all_finite, totals)
-            pairs = tf.add_n([tf.cast(k, tf.float32) for k in ks])
+            picked = [self._select(slot, grads[p], k) for slot, p, k in zip(slots, members, ks)]
+            agreed = None
+        else:
+            everything = [self._select(slot, grads[p], 0) for slot, p in zip(slots, members)]
+            agreed, taken = self._agree([s.remaining for _, s in everything], ks, sizes, offsets, dense, leader,
+                                        context)
+            picked = [(c, _taken_out(s, s.remaining, values, indices))
+                      for (c, s), (values, indices) in zip(everything, taken)]
+        pieces = [s for _, s in picked]
+        values = tf.concat([tf.cast(s.values, tf.float32) for s in pieces], 0)
+        indices = tf.concat([s.indices + offset for s, offset in zip(pieces, offsets)], 0)
+        for s in pieces:
+            totals["selected"] += tf.cast(tf.math.count_nonzero(s.values), tf.float32)
+            totals["accumulated_sq"] += tf.cast(s.stats[0], tf.float32)
+            totals["dropped_sq"] += tf.cast(tf.maximum(s.stats[1], 0.0), tf.float32)
+        return _BucketSelection(slots, [c for c, _ in picked], pieces, values, indices, agreed, sum(sizes))
+
+    def _send_bucket(self, members, path, dense, selection, carry, context, totals):
+        """One bucket's collective: its dense float32 sum over replicas, and the
+        sum of `carry` (None when not carried); adds the bucket's statistics."""
+        replicas = context.num_replicas_in_sync
+        size = selection.size
+        carry_entries = 0 if carry is None else int(carry.shape[0])
+        if path == "allgather":
+            pairs = tf.cast(tf.size(selection.values), tf.float32)
             totals["k"] += pairs
-            totals["allgather_pairs"] += pairs
+            totals["other_bytes"] += (mode_bytes("allgather", pairs, size, replicas)
+                                      + gather_bytes(carry_entries, replicas))
             totals["mode"] += MODE_CODES["allgather"]
             totals["buckets"] += 1.0
-            indices = tf.concat([i + offset for (_, i), offset in zip(selected, offsets)], 0)
-            return self.communicator.exchange_pairs(context, values, indices, sum(sizes))
-        agreed, selected = self._agree(accumulated, ks, sizes, offsets, dense, leader, context)
-        values = self._remember(slots, accumulated, selected, all_finite, totals)
-        pairs = tf.add_n([tf.cast(tf.size(i), tf.float32) for _, i in selected])
+            return self.communicator.exchange_pairs(context, selection.values, selection.indices, size, carry)
+        pairs = tf.cast(tf.size(selection.values), tf.float32)
         totals["k"] += pairs
-        totals["other_bytes"] += tf.where(dense, mode_bytes("dense", pairs, sum(sizes), replicas),
-                                          mode_bytes("allreduce", pairs, sum(sizes), replicas))
+        totals["other_bytes"] += (tf.where(dense, mode_bytes("dense", pairs, size, replicas),
+                                           mode_bytes("allreduce", pairs, size, replicas))
+                                  + ring_all_reduce_bytes(4.0 * carry_entries, replicas))
         totals["mode"] += tf.where(dense, MODE_CODES["dense"], MODE_CODES["allreduce"])
         totals["buckets"] += 1.0
-        return self.communicator.sum_values(context, values, agreed, sum(sizes))
+        return self.communicator.sum_values(context, selection.values, selection.agreed, size, carry)
 
     def _agree(self, accumulated, ks, sizes, offsets, dense, leader, context):
         """The agreed-index mode's selection: the bucket's agreed indices (None
@@ -446,18 +514,16 @@ class SparseExchange(tf.Module):
             selected.append((tf.where(piece_valid, tf.gather(a, indices), tf.zeros([], a.dtype)), indices))
         return agreed, selected
 
-    def _remember(self, slots, accumulated, selected, all_finite, totals):
-        """Keeps what each variable does not send; returns the bucket's float32
-        values to send (zero on a skipped step)."""
-        values_list = []
-        for slot, a, (values, indices) in zip(slots, accumulated, selected):
-            remaining = self.memory.update(slot, a, values, indices, all_finite)
-            values = tf.where(all_finite, tf.cast(values, tf.float32), 0.0)  # a skipped step sends nothing
-            values_list.append(values)
-            totals["selected"] += tf.cast(tf.math.count_nonzero(values), tf.float32)
-            totals["accumulated_sq"] += _finite_square_sum(a)
-            totals["dropped_sq"] += _finite_square_sum(remaining)
-        return tf.concat(values_list, 0)
+    def _update_memory(self, selections, all_finite):
+        """The memory's update of every slot, in one branch taken only when
+        every replica's step was finite (nothing is undone otherwise)."""
+        def update():
+            for selection in selections:
+                for slot, compensation, piece in zip(selection.slots, selection.compensations, selection.pieces):
+                    self.memory.update(slot, compensation, piece.remaining, piece.values, piece.indices)
+            return tf.constant(True)
+
+        tf.cond(all_finite, update, lambda: tf.constant(False))
 
     def _stats(self, grads, totals, replicas):
         present = [i for i, g in enumerate(grads) if g is not None]
@@ -469,8 +535,7 @@ class SparseExchange(tf.Module):
         return {
             "density": totals["selected"] / max(sparse_entries, 1.0),
             "selected": totals["selected"],
-            "bytes_sent": (self.communicator.bytes_sent(totals["allgather_pairs"], dense_entries, replicas)
-                           + totals["other_bytes"]),
+            "bytes_sent": totals["other_bytes"],
             "bytes_dense": tf.constant(ring_all_reduce_bytes(4.0 * (sparse_entries + dense_entries), replicas),
                                        tf.float32),
             "residual_norm": tf.sqrt(residual_sq),
@@ -480,7 +545,34 @@ class SparseExchange(tf.Module):
         }
 
 
-def _finite_square_sum(tensor):
-    """Sum of squares of the finite entries, as float32."""
-    finite = tf.where(tf.math.is_finite(tensor), tensor, tf.zeros_like(tensor))
-    return tf.cast(tf.reduce_sum(tf.square(finite)), tf.float32)
+_BucketSelection = collections.namedtuple(
+    "_BucketSelection", ["slots", "compensations", "pieces", "values", "indices", "agreed", "size"])
+# One bucket after selection: per member its slot, the memory's Compensation
+# and its ErrorFeedbackSelection; the bucket's float32 values and int32
+# indices (offset into the bucket) to send; the agreed indices (agreed-index
+# path; None otherwise or when everything is sent); the bucket's entries.
+
+
+def _taken_out(selection, accumulated, values, indices):
+    """`selection` with (values, indices) taken out of `accumulated` instead:
+    for a selection the fused op did not make (another selector, agreed
+    indices). Spare slots (value 0) take nothing out."""
+    remaining = tf.tensor_scatter_nd_sub(accumulated, tf.expand_dims(indices, 1), tf.cast(values, accumulated.dtype))
+    finite = tf.where(tf.math.is_finite(remaining), remaining, tf.zeros_like(remaining))
+    stats = tf.stack([selection.stats[0], tf.cast(tf.reduce_sum(tf.square(finite)), tf.float64), selection.stats[2]])
+    return ops.ErrorFeedbackSelection(values, indices, remaining, stats)
+
+
+def _non_finite_count(tensor):
+    return tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(tensor)), tf.float32))
+
+
+def _pack(small, non_finite):
+    """The dense-path gradients (float32, flat) and the non-finite count in one buffer."""
+    return tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in small] + [tf.reshape(non_finite, [1])], 0)
+
+
+def _unpack(summed, small):
+    """What `_pack` packed, summed: the gradients in their shapes and dtypes, then the count."""
+    pieces = tf.split(summed, [int(g.shape.num_elements()) for g in small] + [1])
+    return [tf.cast(tf.reshape(p, tf.shape(g)), g.dtype) for p, g in zip(pieces, small)] + [pieces[-1][0]]

@@ -33,13 +33,21 @@ Masking stops a sent entry's stale velocity from pushing the same direction
 again. "Sent" is what this replica contributed: under the agreed-index
 exchange, its own non-zero values at the leader's indices. With density 1 and no masking this is exactly momentum SGD.
 
-Every state update is conditional on `keep` (false on a step where some
-replica had a non-finite gradient): such a step leaves all state as it was.
+State changes only in `update`, which the exchange calls once every
+replica's step is known to be finite: a step where some replica had a
+non-finite gradient leaves all state as it was, at no cost (the new residual
+was written to a separate buffer by the fused op, and is dropped).
 
 A new memory subclasses `Memory` and defines `build`, `state_variables`,
-`compensate(slot, grad, keep)` and `update(slot, accumulated, values, indices,
-keep)`, passed as `SparseExchange(..., memory=MyMemory())`.
+`compensate(slot, grad)` (returning a `Compensation`: the tensor to select
+from is its gradient + residual) and `update(slot, compensation, remaining,
+values, indices)`, passed as `SparseExchange(..., memory=MyMemory())`. The
+exchange hands the sum and the selection to the fused op
+(`tf_topk.error_feedback_topk`), so a memory never makes a pass of its own
+over the accumulated gradient.
 """
+
+import collections
 
 import tensorflow as tf
 
@@ -68,21 +76,26 @@ def make_state_variable(variable, dtype, suffix):
     )
 
 
-def _scatter_selected(accumulated, values, indices, dtype):
-    """The selected entries as a dense flat tensor (spare slots add 0)."""
-    return tf.scatter_nd(tf.expand_dims(indices, 1), tf.cast(values, dtype),
-                         tf.shape(accumulated, out_type=tf.int32))
+Compensation = collections.namedtuple("Compensation", ["gradient", "residual", "state"])
+Compensation.__doc__ = """What a memory makes of one slot's gradient: the tensor to select from is
+gradient + residual (the exchange adds them inside the fused selection op,
+`tf_topk.error_feedback_topk`), and `state` is whatever `update` will need
+(None for plain error feedback)."""
 
 
-def _assign_flat(variable, flat, keep):
-    """variable = flat (reshaped) where `keep`, else unchanged; returns the new flat value."""
-    new = tf.where(keep, flat, tf.reshape(variable, [-1]))
-    variable.assign(tf.reshape(new, variable.shape))
-    return new
+def _flat(variable):
+    return tf.reshape(variable, [-1])
 
 
 class Memory:
-    """What every memory shares: no state on the dense path, nothing kept by default."""
+    """What every memory shares: no state on the dense path, nothing kept by default.
+
+    `compensate(slot, grad)` returns a Compensation; once the exchange knows
+    the step is kept (every replica finite), it calls `update(slot,
+    compensation, remaining, values, indices)` with `remaining` = gradient +
+    residual minus what this replica sent. A step that is not kept calls
+    nothing, so state stays exactly as it was.
+    """
 
     keeps_unsent = False
 
@@ -95,7 +108,7 @@ class Memory:
 
 
 class ErrorFeedbackMemory(Memory):
-    """A residual per slot; compensate before, update after selection.
+    """A residual per slot: added to the next gradient, replaced by what was not sent.
 
     Args:
       residuals: optional ready-made residual variables, one per slot; else
@@ -118,21 +131,14 @@ class ErrorFeedbackMemory(Memory):
     def state_variables(self):
         return list(self.residuals or [])
 
-    def compensate(self, slot, grad, keep):
-        """grad + residual, flat, in the residual's dtype."""
-        residual = self.residuals[slot]
-        return tf.reshape(tf.cast(grad, residual.dtype), [-1]) + tf.reshape(residual, [-1])
+    def compensate(self, slot, grad):
+        """grad + residual (in the residual's dtype, the gradient cast by the op)."""
+        return Compensation(grad, tf.convert_to_tensor(self.residuals[slot]), None)
 
-    def update(self, slot, accumulated, values, indices, keep):
-        """residual = accumulated - selected (scattered back), where `keep`.
-
-        Returns what remains. Spare slots (value 0 at index 0) subtract
-        nothing. Where `keep` is false (a step with non-finite gradients) the
-        residual is unchanged.
-        """
+    def update(self, slot, compensation, remaining, values, indices):
+        """residual = remaining (the op's buffer is taken over: no copy)."""
         residual = self.residuals[slot]
-        new = accumulated - _scatter_selected(accumulated, values, indices, residual.dtype)
-        return _assign_flat(residual, new, keep)
+        residual.assign(tf.reshape(remaining, residual.shape))
 
 
 def check_momentum(momentum):
@@ -179,37 +185,34 @@ class MomentumCorrectionMemory(ErrorFeedbackMemory):
     def state_variables(self):
         return list(self.residuals or []) + list(self.velocities or []) + list(self.dense_velocities)
 
-    def _step_velocity(self, velocity, grad, keep):
-        """Advances `velocity` with `grad` where keep; returns (new velocity, what accumulates)."""
+    def _step_velocity(self, velocity, grad):
+        """(new velocity, what accumulates) for `grad`, flat."""
         grad = tf.reshape(tf.cast(grad, velocity.dtype), [-1])
-        old = tf.reshape(velocity, [-1])
+        old = _flat(velocity)
         if self.nesterov:
             new = self.momentum * (old + grad)
-            increment = new + grad
-        else:
-            new = self.momentum * old + grad
-            increment = new
-        _assign_flat(velocity, new, keep)
-        return new, increment
+            return new, new + grad
+        new = self.momentum * old + grad
+        return new, new
 
-    def compensate(self, slot, grad, keep):
-        """v + u_new (u advanced with grad where keep)."""
-        _, increment = self._step_velocity(self.velocities[slot], grad, keep)
-        return tf.reshape(self.residuals[slot], [-1]) + increment
+    def compensate(self, slot, grad):
+        """v + u_new, u_new = u advanced with grad (kept for `update`)."""
+        new, increment = self._step_velocity(self.velocities[slot], grad)
+        return Compensation(increment, tf.convert_to_tensor(self.residuals[slot]), new)
 
-    def update(self, slot, accumulated, values, indices, keep):
-        remaining = super().update(slot, accumulated, values, indices, keep)
+    def update(self, slot, compensation, remaining, values, indices):
+        super().update(slot, compensation, remaining, values, indices)
+        velocity, new = self.velocities[slot], compensation.state
         if self.masking:
-            velocity = self.velocities[slot]
-            sent = _scatter_selected(accumulated, tf.cast(tf.not_equal(values, 0), tf.float32), indices,
-                                     velocity.dtype)
-            # Spare slots (value 0 at index 0) are not sent, so they mask nothing.
-            _assign_flat(velocity, tf.where(sent > 0, tf.zeros_like(sent), tf.reshape(velocity, [-1])), keep)
-        return remaining
+            # Zero where this replica sent (x - x); spare slots (value 0) subtract 0.
+            sent = tf.cast(tf.not_equal(values, 0), new.dtype)
+            new = tf.tensor_scatter_nd_sub(new, tf.expand_dims(indices, 1), tf.gather(new, indices) * sent)
+        velocity.assign(tf.reshape(new, velocity.shape))
 
     def apply_dense(self, slot, summed, keep):
         velocity = self.dense_velocities[slot]
-        _, increment = self._step_velocity(velocity, summed, keep)
+        new, increment = self._step_velocity(velocity, summed)
+        velocity.assign(tf.reshape(tf.where(keep, new, _flat(velocity)), velocity.shape))
         return tf.reshape(tf.cast(increment, summed.dtype), tf.shape(summed))
 
 
@@ -223,8 +226,9 @@ class NoMemory(Memory):
     def state_variables(self):
         return []
 
-    def compensate(self, slot, grad, keep):
-        return tf.reshape(tf.cast(grad, tf.float32), [-1])
+    def compensate(self, slot, grad):
+        dtype = residual_dtype(grad.dtype)
+        return Compensation(grad, tf.zeros(tf.shape(tf.reshape(grad, [-1])), dtype), None)
 
-    def update(self, slot, accumulated, values, indices, keep):
-        return accumulated - _scatter_selected(accumulated, values, indices, accumulated.dtype)
+    def update(self, slot, compensation, remaining, values, indices):
+        pass

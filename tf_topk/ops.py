@@ -7,6 +7,7 @@ TF_TOPK_LIBRARY to load another build of it (for example the one Bazel
 produces).
 """
 
+import collections
 import json
 import os
 
@@ -14,6 +15,7 @@ import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
 OP_NAME = "ImportTfTopk>ApproxTopK"
+ERROR_FEEDBACK_OP_NAME = "ImportTfTopk>ErrorFeedbackTopK"
 METHODS = ("gaussian", "exact")
 SUPPORTED_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64)
 MAX_SIZE = 2**31 - 1
@@ -60,7 +62,9 @@ def _load_library(path):
 _library = _load_library(library_path())
 # Generated wrapper name of "ImportTfTopk>ApproxTopK".
 _approx_topk_raw = _library.import_tf_topk_approx_top_k
+_error_feedback_topk_raw = _library.import_tf_topk_error_feedback_top_k
 tf.no_gradient(OP_NAME)
+tf.no_gradient(ERROR_FEEDBACK_OP_NAME)
 
 
 def check_method(method):
@@ -86,6 +90,26 @@ def _refuse_xla():
             "tf_topk.approx_topk has no XLA kernel, so it cannot run in a function compiled with "
             "jit_compile=True. Use tf.function(jit_compile=False); with Keras, model.compile(..., "
             "jit_compile=False) (Keras picks XLA by default on a GPU machine without a distribution strategy)")
+
+
+def _check_k(k, size, what):
+    """k as an int32 tensor, after the checks a Python int allows at trace time."""
+    if isinstance(k, bool) or not (isinstance(k, int) or tf.is_tensor(k)):
+        if hasattr(k, "__index__"):  # numpy integers
+            k = int(k)
+        else:
+            raise _invalid(f"k must be an int or an int32 scalar tensor, got {k!r}")
+    if isinstance(k, int):
+        if k < 0:
+            raise _invalid(f"k must be >= 0, got k = {k}")
+        if size is not None and k > size:
+            raise _invalid(f"k must be <= the number of entries of {what} ({size}), got k = {k}")
+    return tf.cast(k, tf.int32) if tf.is_tensor(k) else tf.constant(k, tf.int32)
+
+
+def _check_size(size, what):
+    if size is not None and size > MAX_SIZE:
+        raise _invalid(f"{what} has {size} entries; at most 2^31 - 1 are supported (indices are int32)")
 
 
 def approx_topk(x, k, method="gaussian", name=None):
@@ -136,18 +160,79 @@ def approx_topk(x, k, method="gaussian", name=None):
             raise _invalid(
                 f"x must be float32, float16, bfloat16 or float64, got dtype {x.dtype.name}")
         size = x.shape.num_elements()
-        if size is not None and size > MAX_SIZE:
-            raise _invalid(f"x has {size} entries; at most 2^31 - 1 are supported (indices are int32)")
-        if isinstance(k, bool) or not (isinstance(k, int) or tf.is_tensor(k)):
-            if hasattr(k, "__index__"):  # numpy integers
-                k = int(k)
-            else:
-                raise _invalid(f"k must be an int or an int32 scalar tensor, got {k!r}")
-        if isinstance(k, int):
-            if k < 0:
-                raise _invalid(f"k must be >= 0, got k = {k}")
-            if size is not None and k > size:
-                raise _invalid(f"k must be <= the number of entries of x ({size}), got k = {k}")
-        k = tf.cast(k, tf.int32) if tf.is_tensor(k) else tf.constant(k, tf.int32)
+        _check_size(size, "x")
+        k = _check_k(k, size, "x")
         _refuse_xla()
         return _approx_topk_raw(x, k, method=method)
+
+
+ErrorFeedbackSelection = collections.namedtuple("ErrorFeedbackSelection",
+                                                ["values", "indices", "remaining", "stats"])
+ErrorFeedbackSelection.__doc__ = """What `error_feedback_topk` returns.
+
+values, indices: the selection of `approx_topk` on gradient + residual
+  (values in the residual's dtype), both of shape [k].
+remaining: gradient + residual with the selected entries set to 0, flat,
+  in the residual's dtype: the next residual.
+stats: float64 [3]: sum of squares of the finite entries of gradient +
+  residual, the same of `remaining`, and the number of non-finite entries
+  of gradient + residual (see ERROR_FEEDBACK_STATS).
+"""
+
+ERROR_FEEDBACK_STATS = ("accumulated_squares", "remaining_squares", "non_finite")
+
+
+def error_feedback_topk(gradient, residual, k, method="gaussian", name=None):
+    """Error feedback and top-k selection in one pass over the gradient.
+
+    Computes accumulated = gradient + residual (in the residual's dtype), the
+    ~k entries of largest magnitude of it exactly as `approx_topk` selects
+    them, what remains once they are taken out, and the statistics of both,
+    without a dozen separate passes: the CPU kernel reads gradient and
+    residual once and writes `remaining` once (plus O(candidates) work).
+
+    The residual is not modified: assign `remaining` to it when the step is
+    kept (an assignment takes over the buffer; nothing is copied). Non-finite
+    entries of gradient + residual are never selected; they stay in
+    `remaining` and are counted in stats[2], so a caller that skips such a
+    step simply does not assign.
+
+    Args:
+      gradient: float32, float16, bfloat16 or float64 tensor of any shape.
+      residual: tensor with as many entries; float32 for a float32, float16
+        or bfloat16 gradient, float64 for a float64 one.
+      k: int or int32 scalar tensor, 0 <= k <= size(gradient).
+      method: "gaussian" (default) or "exact", as in `approx_topk`.
+      name: optional op name.
+
+    Returns:
+      An ErrorFeedbackSelection (values, indices, remaining, stats).
+
+    Example:
+      >>> g = tf.constant([0.5, -1.0, 0.25, 0.0])
+      >>> r = tf.constant([1.0, 0.0, 0.0, 0.0])
+      >>> out = tf_topk.error_feedback_topk(g, r, 1, method="exact")
+      >>> out.values.numpy().tolist(), out.indices.numpy().tolist()
+      ([1.5], [0])
+      >>> out.remaining.numpy().tolist()
+      [0.0, -1.0, 0.25, 0.0]
+    """
+    check_method(method)
+    with tf.name_scope(name or "error_feedback_topk"):
+        gradient = tf.convert_to_tensor(gradient)
+        residual = tf.convert_to_tensor(residual)
+        if gradient.dtype not in SUPPORTED_DTYPES:
+            raise _invalid(f"gradient must be float32, float16, bfloat16 or float64, got dtype "
+                           f"{gradient.dtype.name}")
+        wanted = tf.float64 if gradient.dtype == tf.float64 else tf.float32
+        if residual.dtype != wanted:
+            raise _invalid(f"residual must be {wanted.name} for a {gradient.dtype.name} gradient, got dtype "
+                           f"{residual.dtype.name}")
+        size = gradient.shape.num_elements()
+        residual_size = residual.shape.num_elements()
+        if size is not None and residual_size is not None and size != residual_size:
+            raise _invalid(f"residual must have as many entries as gradient ({size}), got shape {residual.shape}")
+        _check_size(size, "gradient")
+        k = _check_k(k, size, "gradient")
+        _refuse_xla()
+        return ErrorFeedbackSelection(*_error_feedback_topk_raw(gradient, residual, k, method=method))

@@ -724,8 +724,10 @@ __device__ void CheckCrossing(const uint32_t* hist, long long want, int bin,
 // threshold was set, at least k candidates, all kept). If not, clears hist1
 // for the fallback pass and sets the fallback flag. Called by every thread
 // after FindCrossing over hist1 (whose reads are then done); block-uniform
-// result.
-__device__ bool CandidatesSuffice(Scratch* s, int bin, long long capacity) {
+// result. (Non-template device functions here are inline: several
+// translation units of one library include this header.)
+__device__ inline bool CandidatesSuffice(Scratch* s, int bin,
+                                         long long capacity) {
   State& st = s->state;
   if (st.prefilter_key != 0u && bin >= 0 &&
       static_cast<long long>(st.candidate_count) <= capacity) {
@@ -741,8 +743,9 @@ __device__ bool CandidatesSuffice(Scratch* s, int bin, long long capacity) {
 // candidate per thread): 2^20 candidates in 3 rounds instead of 20
 // sequential steps, each of two double-precision erfc. Called by every
 // thread of the block; the result is valid in every thread.
-__device__ uint32_t SearchGaussianThreshold(const GaussianFit& fit,
-                                            uint32_t low, uint32_t high) {
+__device__ inline uint32_t SearchGaussianThreshold(const GaussianFit& fit,
+                                                   uint32_t low,
+                                                   uint32_t high) {
   __shared__ int s_first;  // the first thread whose candidate satisfies
   while (low < high) {     // block-uniform: every thread holds low and high
     const uint32_t step = (high - low + kPlanThreads - 1) / kPlanThreads;

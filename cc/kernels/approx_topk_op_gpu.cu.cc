@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "approx_topk.cuh"
+#include "gpu_launch_hint.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -33,29 +34,6 @@
 
 namespace tf_topk {
 namespace {
-
-// What to do about the launch failures a user can fix.
-std::string LaunchFailureHint(cudaError_t err) {
-  if (err == cudaErrorNoKernelImageForDevice ||
-      err == cudaErrorUnsupportedPtxVersion) {
-    int device = 0, major = 0, minor = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-    return absl::StrCat(
-        ". The op library has no kernel for this GPU (compute capability ",
-        major, ".", minor, "): rebuild it with TF_TOPK_CUDA_ARCHS=", major,
-        minor, " (and an nvcc that supports it) and: pip install "
-        "--no-build-isolation -e . (or: python cc/build_ops.py)");
-  }
-  if (err == cudaErrorInsufficientDriver) {
-    return ". The NVIDIA driver is older than the CUDA runtime the op library "
-           "was built with (CUDA 13 needs driver 580 or newer): update the "
-           "driver, or rebuild the library with the CUDA toolkit the driver "
-           "supports";
-  }
-  return "";
-}
 
 // T is the TensorFlow element type, CudaT the CUDA type of the same bits.
 template <typename T, typename CudaT>

@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "e2e": "tf_topk.bench.e2e",
     "convergence": "tf_topk.bench.convergence",
     "scale": "tf_topk.bench.scale",
+    "overhead": "tf_topk.bench.overhead",
 }
 
 

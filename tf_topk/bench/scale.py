@@ -17,7 +17,8 @@ import os
 import subprocess
 import sys
 
-from tf_topk.communicator import MODE_CODES, choose_mode, mode_bytes, ring_all_reduce_bytes
+from tf_topk.communicator import (MODE_CODES, carry_in_gather, choose_mode, gather_bytes, mode_bytes,
+                                  ring_all_reduce_bytes)
 
 MODES = ("allgather", "allreduce", "auto")
 PROJECTED = (16, 32, 64, 128, 256, 512, 1024)
@@ -80,18 +81,28 @@ def measure(replicas, size, small, density, steps):
     return [row]
 
 
+def small_bytes(mode, small, replicas):
+    """Bytes of the dense-path entries and the non-finite count: carried in
+    the all_gather while `carry_in_gather` says so, else (and in the other
+    modes) a ring all-reduce."""
+    entries = small + 1
+    if mode == "allgather" and carry_in_gather(entries, replicas):
+        return gather_bytes(entries, replicas)
+    return ring_all_reduce_bytes(4.0 * entries, replicas)
+
+
 def projection(replicas, size, small, density):
     """The formula row for P = replicas."""
     shapes = _shapes(size, small)
     sparse = [math.prod(s) for s in shapes if math.prod(s) >= MIN_SIZE]
     entries, pairs = sum(sparse), sum(max(1, math.ceil(density * n)) for n in sparse)
-    dense_small = ring_all_reduce_bytes(4.0 * (size + small - entries), replicas)
     row = {"workers": replicas, "source": "formula",
            "dense": ring_all_reduce_bytes(4.0 * (size + small), replicas)}
     for mode in ("allgather", "allreduce"):
-        row[mode] = mode_bytes(mode, pairs, entries, replicas) + dense_small
+        row[mode] = mode_bytes(mode, pairs, entries, replicas) + small_bytes(mode, small, replicas)
     auto = choose_mode(replicas, pairs, entries)
-    row["auto"], row["auto_mode"] = mode_bytes(auto, pairs, entries, replicas) + dense_small, auto
+    row["auto"] = mode_bytes(auto, pairs, entries, replicas) + small_bytes(auto, small, replicas)
+    row["auto_mode"] = auto
     return row
 
 
@@ -100,12 +111,12 @@ def targets(rows, size, small, density):
     by_p = {r["workers"]: r for r in rows if r["source"] == "measured"}
     low, high = min(by_p), max(by_p)
     pairs = sum(max(1, math.ceil(density * n)) for n in (size // 2, size - size // 2))
-    bound = 4 * 8 * pairs + ring_all_reduce_bytes(4.0 * small, high)
+    bound = 4 * 8 * pairs + small_bytes("allreduce", small, high)
     growth = by_p[high]["allreduce"] / by_p[low]["allreduce"]
 
-    def sparse_growth(mode):  # without the small variables' dense all-reduce
-        return round((by_p[high][mode] - ring_all_reduce_bytes(4.0 * small, high))
-                     / (by_p[low][mode] - ring_all_reduce_bytes(4.0 * small, low)), 3)
+    def sparse_growth(mode):  # without the small variables and the non-finite count
+        return round((by_p[high][mode] - small_bytes(mode, small, high))
+                     / (by_p[low][mode] - small_bytes(mode, small, low)), 3)
 
     return {
         f"allreduce_growth_P{low}_to_P{high}": round(growth, 3),

@@ -1,0 +1,379 @@
+// The fused error-feedback selection: OpKernel and CPU functor.
+//
+// Unfused, error feedback costs a dozen passes over the gradient around one
+// selection (add the residual, scatter the selected entries, subtract them,
+// assign, square and sum for the statistics, check finiteness). Here one
+// parallel pass over blocks of the input, chunk by chunk, computes
+// accumulated = gradient + residual into the `remaining` output, its
+// statistics (sum of squares, non-finite count) and, while the chunk is still
+// in the L1 cache, the prefilter of the selection (topk_cpu.h) with the
+// threshold a sample of the sums gave. The selection then only looks at the
+// candidates, and the selected entries are zeroed in `remaining` (k writes).
+// Memory traffic: gradient and residual read once, remaining written once.
+// Small inputs, or a misleading sample, fall back to the two-pass selection
+// over `remaining` (plus one pass for the statistic of what remains).
+//
+// The residual is an input, not modified: the exchange assigns `remaining`
+// to the residual variable only when every replica's step was finite (an
+// assignment hands over the buffer, it copies nothing), so a skipped step
+// leaves the residual exactly as it was. `remaining` lives in buffers the
+// kernel recycles (RemainingBuffer), so no step allocates fresh memory.
+#define EIGEN_USE_THREADS
+
+#include "error_feedback_topk_op.h"
+
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/platform/mutex.h"
+#include "topk_cpu.h"
+#include "unsupported/Eigen/CXX11/Tensor"
+
+namespace tf_topk {
+
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+using CPUDevice = Eigen::ThreadPoolDevice;
+using GPUDevice = Eigen::GpuDevice;
+
+namespace {
+
+// Entries accumulated before the chunk is prefiltered: 16 KiB of float32,
+// well inside L1/L2, and a multiple of the prefilter's 16-entry groups.
+constexpr int64_t kChunk = 4096;
+
+// What a block's pass adds up. Squares of a chunk are summed in the
+// accumulated dtype (float32 partial sums over at most kChunk entries), then
+// in double.
+struct BlockSums {
+  double accumulated_squares = 0.0;
+  double below_squares = 0.0;  // finite entries under the prefilter threshold
+  int64_t non_finite = 0;
+};
+
+// accumulated = R(gradient) + residual over [begin, end), into out.
+template <typename T, typename R>
+void AccumulateScalar(const T* gradient, const R* residual, int64_t begin,
+                      int64_t end, uint32_t low_key, R* out, BlockSums* sums) {
+  R squares = R(0), below = R(0);
+  int64_t non_finite = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const R a = static_cast<R>(gradient[i]) + residual[i];
+    out[i] = a;
+    const uint32_t key = cpu::KeyOf(a);
+    if (key >= kInfBits) {
+      ++non_finite;
+      continue;
+    }
+    squares += a * a;
+    if (key < low_key) below += a * a;
+  }
+  sums->accumulated_squares += static_cast<double>(squares);
+  sums->below_squares += static_cast<double>(below);
+  sums->non_finite += non_finite;
+}
+
+template <typename T, typename R>
+void AccumulateChunk(const T* gradient, const R* residual, int64_t begin,
+                     int64_t end, uint32_t low_key, R* out, BlockSums* sums) {
+  AccumulateScalar(gradient, residual, begin, end, low_key, out, sums);
+}
+
+// float32: four-wide vectors (GCC/Clang vector extensions), masks from the
+// raw bits, so non-finite entries add nothing without a branch.
+typedef float Float4 __attribute__((vector_size(16)));
+typedef int32_t Int4 __attribute__((vector_size(16)));
+
+template <>
+void AccumulateChunk<float, float>(const float* gradient, const float* residual,
+                                   int64_t begin, int64_t end,
+                                   uint32_t low_key, float* out,
+                                   BlockSums* sums) {
+  Float4 squares = {}, below = {};
+  Int4 non_finite = {};
+  // Keys below 2^31 compare correctly as signed integers.
+  const int32_t low = static_cast<int32_t>(
+      std::min<uint32_t>(low_key, static_cast<uint32_t>(kInfBits)));
+  const int32_t inf = static_cast<int32_t>(kInfBits);
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    Float4 g, r;
+    std::memcpy(&g, gradient + i, sizeof(g));
+    std::memcpy(&r, residual + i, sizeof(r));
+    const Float4 a = g + r;
+    std::memcpy(out + i, &a, sizeof(a));
+    Int4 bits;
+    std::memcpy(&bits, &a, sizeof(bits));
+    const Int4 magnitude = bits & 0x7fffffff;
+    const Int4 finite = magnitude < inf;  // -1 where finite
+    Int4 square_bits;
+    const Float4 square = a * a;
+    std::memcpy(&square_bits, &square, sizeof(square_bits));
+    const Int4 kept = square_bits & finite;
+    const Int4 kept_below = kept & (magnitude < low);
+    Float4 kept_f, kept_below_f;
+    std::memcpy(&kept_f, &kept, sizeof(kept_f));
+    std::memcpy(&kept_below_f, &kept_below, sizeof(kept_below_f));
+    squares += kept_f;
+    below += kept_below_f;
+    non_finite += finite + 1;  // 1 where non-finite
+  }
+  double total = 0.0, total_below = 0.0;
+  int64_t count = 0;
+  for (int lane = 0; lane < 4; ++lane) {
+    total += squares[lane];
+    total_below += below[lane];
+    count += non_finite[lane];
+  }
+  sums->accumulated_squares += total;
+  sums->below_squares += total_below;
+  sums->non_finite += count;
+  AccumulateScalar(gradient, residual, i, end, low_key, out, sums);
+}
+
+// The pass: every block accumulates its chunks and, while a prefilter is in
+// use and its block has not overflowed, collects their candidates.
+template <typename R>
+struct PassResult {
+  std::vector<BlockSums> sums;
+  std::vector<std::vector<cpu::Candidate<R>>> candidates;
+  bool prefiltered = false;  // every block's candidates are complete
+};
+
+template <typename T, typename R>
+PassResult<R> AccumulateAndPrefilter(const cpu::Blocks& blocks,
+                                     const T* gradient, const R* residual,
+                                     uint32_t low_key, R* remaining) {
+  PassResult<R> result;
+  result.sums.resize(blocks.count());
+  result.candidates.resize(blocks.count());
+  std::vector<char> ok(blocks.count(), low_key != 0u);
+  blocks.ForEach([&](int64_t b) {
+    const int64_t begin = blocks.begin(b), end = blocks.end(b);
+    const int64_t limit = cpu::CandidateLimit(end - begin);
+    for (int64_t c = begin; c < end; c += kChunk) {
+      const int64_t c_end = std::min(end, c + kChunk);
+      // With no prefilter, every finite entry counts as "below".
+      AccumulateChunk(gradient, residual, c, c_end,
+                      low_key == 0u ? kInfBits : low_key, remaining,
+                      &result.sums[b]);
+      if (ok[b]) {
+        ok[b] = cpu::PrefilterBlock(remaining, c, c_end, low_key, limit,
+                                    &result.candidates[b]);
+        if (!ok[b]) std::vector<cpu::Candidate<R>>().swap(result.candidates[b]);
+      }
+    }
+  });
+  result.prefiltered = low_key != 0u && std::all_of(ok.begin(), ok.end(),
+                                                   [](char v) { return v != 0; });
+  return result;
+}
+
+// Sum of squares of the finite entries of x[0:n], in parallel.
+template <typename R>
+double FiniteSquares(const cpu::Blocks& blocks, const R* x) {
+  std::vector<double> partial(blocks.count(), 0.0);
+  blocks.ForEach([&](int64_t b) {
+    double total = 0.0;
+    for (int64_t i = blocks.begin(b); i < blocks.end(b); ++i) {
+      if (cpu::KeyOf(x[i]) < kInfBits) {
+        total += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+      }
+    }
+    partial[b] = total;
+  });
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+}  // namespace
+
+template <typename T, typename R>
+void ErrorFeedbackTopKFunctor<CPUDevice, T, R>::operator()(
+    OpKernelContext* ctx, const T* gradient, const R* residual, int64_t n,
+    int64_t k, Method method, R* values, int32_t* indices, R* remaining,
+    double* stats) {
+  const cpu::Blocks blocks(ctx, n);
+  uint32_t low_key = 0u;
+  cpu::Sample sample{{}, {0.0, 0.0, 0}};
+  if (k > 0 && PrefilterRank(n, k) >= 0) {
+    sample = cpu::SampleOf<R>(
+        [gradient, residual](int64_t i) {
+          return static_cast<R>(gradient[i]) + residual[i];
+        },
+        n);
+    low_key = cpu::PrefilterKey(&sample, n, k);
+  }
+  PassResult<R> pass =
+      AccumulateAndPrefilter(blocks, gradient, residual, low_key, remaining);
+  double accumulated_squares = 0.0, below_squares = 0.0;
+  int64_t non_finite = 0;
+  for (const BlockSums& s : pass.sums) {
+    accumulated_squares += s.accumulated_squares;
+    below_squares += s.below_squares;
+    non_finite += s.non_finite;
+  }
+  bool from_candidates = false;
+  if (k > 0) {
+    from_candidates =
+        pass.prefiltered &&
+        cpu::SelectFromCandidateLists(pass.candidates, remaining, k, method,
+                                      sample.moments, low_key, values,
+                                      indices);
+    if (!from_candidates) {
+      cpu::SelectWithTwoPasses(blocks, remaining, k, method, values, indices);
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      if (values[j] != R(0)) remaining[indices[j]] = R(0);  // spare slots: none
+    }
+  }
+  double remaining_squares = accumulated_squares;
+  if (from_candidates) {
+    // Every finite entry is below the threshold or a candidate.
+    remaining_squares = below_squares;
+    for (const auto& candidates : pass.candidates) {
+      for (const cpu::Candidate<R>& c : candidates) {
+        const double v = static_cast<double>(remaining[c.index]);
+        remaining_squares += v * v;
+      }
+    }
+  } else if (k > 0) {
+    remaining_squares = FiniteSquares(blocks, remaining);
+  }
+  stats[kAccumulatedSquares] = accumulated_squares;
+  stats[kRemainingSquares] = remaining_squares;
+  stats[kNonFinite] = static_cast<double>(non_finite);
+}
+
+template <typename Device, typename T, typename R>
+class ErrorFeedbackTopKOp : public OpKernel {
+ public:
+  explicit ErrorFeedbackTopKOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string method;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("method", &method));
+    method_ = method == "exact" ? Method::kExact : Method::kGaussian;
+  }
+
+  // The `remaining` output, from buffers this kernel keeps. A fresh buffer
+  // of the residual's size every step would cost more than the whole pass
+  // (the allocator hands back unmapped memory for large tensors, and every
+  // page faults on first write). The caller assigns `remaining` to the
+  // residual variable, which then holds that buffer; a buffer comes back for
+  // reuse once nobody but this kernel holds it (the variable moved on to a
+  // newer one, or the step was skipped). Under TensorFlow's copy-on-write
+  // rule for variables a holder never sees the buffer change: an in-place
+  // write to a variable whose buffer is shared copies it first.
+  absl::Status RemainingBuffer(OpKernelContext* ctx,
+                               ::tensorflow::DataType dtype, int64_t n,
+                               Tensor** remaining) {
+    ::tensorflow::mutex_lock lock(mu_);
+    for (const Tensor& buffer : buffers_) {
+      if (buffer.NumElements() == n && buffer.dtype() == dtype &&
+          buffer.RefCountIsOne()) {
+        ctx->set_output(2, buffer);
+        *remaining = ctx->mutable_output(2);
+        return absl::OkStatus();
+      }
+    }
+    if (buffers_.size() >= kMaxBuffers) {  // steps in flight: no reuse
+      return ctx->allocate_output(2, TensorShape({n}), remaining);
+    }
+    Tensor buffer;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({n}), &buffer));
+    buffers_.push_back(buffer);
+    ctx->set_output(2, buffer);
+    *remaining = ctx->mutable_output(2);
+    return absl::OkStatus();
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& gradient = ctx->input(0);
+    const Tensor& residual = ctx->input(1);
+    const Tensor& k_tensor = ctx->input(2);
+    OP_REQUIRES(ctx, k_tensor.dims() == 0,
+                absl::InvalidArgumentError("k must be a scalar, got shape " +
+                                           k_tensor.shape().DebugString()));
+    const int64_t k = k_tensor.scalar<int32_t>()();
+    const int64_t n = gradient.NumElements();
+    OP_REQUIRES(ctx, residual.NumElements() == n,
+                absl::InvalidArgumentError(
+                    "residual must have as many entries as gradient (" +
+                    std::to_string(n) + "), got shape " +
+                    residual.shape().DebugString()));
+    OP_REQUIRES(ctx, k >= 0,
+                absl::InvalidArgumentError("k must be >= 0, got k = " +
+                                           std::to_string(k)));
+    OP_REQUIRES(
+        ctx, n <= std::numeric_limits<int32_t>::max(),
+        absl::InvalidArgumentError(
+            "gradient has " + std::to_string(n) +
+            " entries; at most 2^31 - 1 are supported (indices are int32)"));
+    OP_REQUIRES(ctx, k <= n,
+                absl::InvalidArgumentError(
+                    "k must be <= the number of entries of gradient (" +
+                    std::to_string(n) + "), got k = " + std::to_string(k)));
+    Tensor* values = nullptr;
+    Tensor* indices = nullptr;
+    Tensor* remaining = nullptr;
+    Tensor* stats = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
+    OP_REQUIRES_OK(ctx, RemainingBuffer(ctx, residual.dtype(), n, &remaining));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            3, TensorShape({kNumErrorFeedbackStats}), &stats));
+    if (n == 0) {
+      stats->flat<double>().setZero();
+      return;
+    }
+    ErrorFeedbackTopKFunctor<Device, T, R>()(
+        ctx, gradient.flat<T>().data(), residual.flat<R>().data(), n, k,
+        method_, values->flat<R>().data(), indices->flat<int32_t>().data(),
+        remaining->flat<R>().data(), stats->flat<double>().data());
+  }
+
+ private:
+  // The residual a variable holds and the one being computed; a third when
+  // a step runs before the previous one released its buffer.
+  static constexpr size_t kMaxBuffers = 3;
+
+  Method method_ = Method::kGaussian;
+  ::tensorflow::mutex mu_;
+  std::vector<Tensor> buffers_ TF_GUARDED_BY(mu_);
+};
+
+#define TF_TOPK_REGISTER_CPU(T, R)                                      \
+  template struct ErrorFeedbackTopKFunctor<CPUDevice, T, R>;            \
+  REGISTER_KERNEL_BUILDER(Name("ImportTfTopk>ErrorFeedbackTopK")        \
+                              .Device(::tensorflow::DEVICE_CPU)         \
+                              .TypeConstraint<T>("T")                   \
+                              .TypeConstraint<R>("R"),                  \
+                          ErrorFeedbackTopKOp<CPUDevice, T, R>);
+TF_TOPK_REGISTER_CPU(float, float);
+TF_TOPK_REGISTER_CPU(Eigen::half, float);
+TF_TOPK_REGISTER_CPU(Eigen::bfloat16, float);
+TF_TOPK_REGISTER_CPU(double, double);
+#undef TF_TOPK_REGISTER_CPU
+
+#if GOOGLE_CUDA
+#define TF_TOPK_REGISTER_GPU(T)                                         \
+  extern template struct ErrorFeedbackTopKFunctor<GPUDevice, T, float>; \
+  REGISTER_KERNEL_BUILDER(Name("ImportTfTopk>ErrorFeedbackTopK")        \
+                              .Device(::tensorflow::DEVICE_GPU)         \
+                              .TypeConstraint<T>("T")                   \
+                              .TypeConstraint<float>("R")               \
+                              .HostMemory("k"),                         \
+                          ErrorFeedbackTopKOp<GPUDevice, T, float>);
+TF_TOPK_REGISTER_GPU(float);
+TF_TOPK_REGISTER_GPU(Eigen::half);
+TF_TOPK_REGISTER_GPU(Eigen::bfloat16);
+#undef TF_TOPK_REGISTER_GPU
+#endif  // GOOGLE_CUDA
+
+}  // namespace tf_topk
