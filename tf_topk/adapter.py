@@ -30,7 +30,12 @@ from tf_topk.schedule import DensitySchedule
 
 # The arguments that configure the exchange, in the order get_config writes them.
 EXCHANGE_ARGUMENTS = ("density", "method", "min_size", "bucket_bytes", "error_feedback", "momentum_correction",
-                      "local_clipnorm", "exchange_mode")
+                      "local_clipnorm", "exchange_mode", "sparse_updates")
+
+# What an inner SGD may not do for sparse updates, which the wrapper applies
+# itself: attribute -> the value that means "not in use".
+_SPARSE_UPDATE_FREE = {"weight_decay": None, "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
+                       "use_ema": False, "gradient_accumulation_steps": None}
 
 
 class InnerOverrides:
@@ -117,6 +122,24 @@ def check_momentum_correction(inner_optimizer, sgd_class, keras_name):
             f"{keras_name}.optimizers.SGD(0.1, momentum=0.9); other optimizers train with momentum_correction=False")
 
 
+def check_sparse_updates(inner_optimizer, sgd_class, keras_name, momentum_correction):
+    """Sparse updates replace the inner optimizer's update of the sparsified
+    variables by `variable -= lr * pairs`: only plain SGD does exactly that."""
+    if not isinstance(inner_optimizer, sgd_class):
+        raise ValueError(f"sparse_updates=True needs a {keras_name}.optimizers.SGD as inner optimizer (its update "
+                         f"is variable -= learning_rate * gradient, which touches only the sent entries), got "
+                         f"{type(inner_optimizer).__name__}")
+    if inner_optimizer.momentum and not momentum_correction:
+        raise ValueError(f"sparse_updates=True needs an SGD without momentum (got momentum="
+                         f"{inner_optimizer.momentum}): momentum moves every entry each step. Use "
+                         "momentum_correction=True, which keeps the momentum in the exchange")
+    for name, unused in _SPARSE_UPDATE_FREE.items():
+        value = getattr(inner_optimizer, name, unused)
+        if value != unused:
+            raise ValueError(f"sparse_updates=True applies plain SGD itself, so the inner SGD's {name}={value!r} "
+                             f"would be ignored: leave {name} unset, or use sparse_updates=False")
+
+
 def check_inner_only_arguments(kwargs, defaults, keras_name):
     """Remove the inner optimizer's own arguments from kwargs (as get_config
     writes them, with their defaults); refuse any other value or name."""
@@ -131,7 +154,8 @@ def check_inner_only_arguments(kwargs, defaults, keras_name):
 
 
 def check_exchange_arguments(inner_optimizer, sgd_class, keras_name, density, method, min_size, bucket_bytes,
-                             error_feedback, momentum_correction, local_clipnorm, exchange_mode="allgather"):
+                             error_feedback, momentum_correction, local_clipnorm, exchange_mode="allgather",
+                             sparse_updates=False):
     """Check the exchange's arguments; returns them as a dict (EXCHANGE_ARGUMENTS)."""
     check_method(method)
     DensitySchedule(density)  # validates
@@ -144,9 +168,11 @@ def check_exchange_arguments(inner_optimizer, sgd_class, keras_name, density, me
         if not error_feedback:
             raise ValueError("momentum_correction=True accumulates the velocity in the residuals: "
                              "it needs error_feedback=True")
+    if sparse_updates:
+        check_sparse_updates(inner_optimizer, sgd_class, keras_name, momentum_correction)
     return dict(density=density, method=method, min_size=min_size, bucket_bytes=bucket_bytes,
                 error_feedback=bool(error_feedback), momentum_correction=bool(momentum_correction),
-                local_clipnorm=local_clipnorm, exchange_mode=exchange_mode)
+                local_clipnorm=local_clipnorm, exchange_mode=exchange_mode, sparse_updates=bool(sparse_updates))
 
 
 def arguments_from_config(config):
@@ -205,7 +231,7 @@ class TopKWrapper:
             var_list, density=self.density, method=self.method, min_size=self.min_size,
             bucket_bytes=self.bucket_bytes, error_feedback=self.error_feedback, make_state=make_state,
             momentum=momentum, nesterov=nesterov, local_clipnorm=self.local_clipnorm,
-            exchange_mode=self.exchange_mode))
+            exchange_mode=self.exchange_mode, sparse_output=self.sparse_updates))
         self.skipped_steps = self._make_variable("skipped_steps", (), "int64", "counter")
         self._stat_variables = {stat: self._make_variable(f"compression_{stat}", (), "float32", "stat")
                                 for stat in STAT_NAMES}

@@ -59,20 +59,27 @@ class AllGatherCommunicator:
             return list(tensors)
         return context.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
 
-    def exchange_pairs(self, context, values, indices, size, carry=None):
+    def exchange_pairs(self, context, values, indices, size, carry=None, densify=True):
         """The dense float32 [size] sum over replicas of scatter(values,
-        indices), and the sum over replicas of `carry` (float32 [m], or None),
-        summed in replica order in the same all_gather."""
+        indices) (with densify=False: every replica's pairs, values and
+        indices of shape [P, K]), and the sum over replicas of `carry`
+        (float32 [m], or None), summed in replica order in the same
+        all_gather."""
         replicas = context.num_replicas_in_sync
         shape = tf.reshape(tf.constant(size, tf.int32), [1])
         if replicas == 1:
+            if not densify:
+                return (tf.expand_dims(values, 0), tf.expand_dims(indices, 0)), carry
             return tf.scatter_nd(tf.expand_dims(indices, 1), values, shape), carry
         parts = [values, tf.bitcast(indices, tf.float32)] + ([] if carry is None else [carry])
         rows = tf.reshape(context.all_gather(tf.concat(parts, 0), axis=0), [replicas, -1])
         k = tf.size(values)
-        all_values = tf.reshape(rows[:, :k], [-1])
-        all_indices = tf.bitcast(tf.reshape(rows[:, k:2 * k], [-1]), tf.int32)
-        dense = tf.scatter_nd(tf.expand_dims(all_indices, 1), all_values, shape)
+        if densify:
+            all_values = tf.reshape(rows[:, :k], [-1])
+            all_indices = tf.bitcast(tf.reshape(rows[:, k:2 * k], [-1]), tf.int32)
+            dense = tf.scatter_nd(tf.expand_dims(all_indices, 1), all_values, shape)
+        else:
+            dense = rows[:, :k], tf.bitcast(rows[:, k:2 * k], tf.int32)
         if carry is None:
             return dense, None
         summed = rows[0, 2 * k:]
@@ -151,11 +158,12 @@ class AgreedIndexCommunicator(AllGatherCommunicator):
         summed = context.all_reduce(tf.distribute.ReduceOp.SUM, code)
         return tf.maximum(summed - 1, 0), summed > 0
 
-    def sum_values(self, context, values, indices, size, carry=None):
+    def sum_values(self, context, values, indices, size, carry=None, densify=True):
         """The dense float32 [size] scatter of the SUM over replicas of
         `values` (float32 [K]), all taken at the same `indices` (None: all
-        entries, in order), and the SUM of `carry` (float32 [m], or None)
-        from the same all-reduce."""
+        entries, in order; with densify=False and indices: the summed values
+        and the indices, each of shape [1, K]), and the SUM of `carry`
+        (float32 [m], or None) from the same all-reduce."""
         summed_carry = carry
         if context.num_replicas_in_sync > 1:
             if carry is None:
@@ -165,6 +173,8 @@ class AgreedIndexCommunicator(AllGatherCommunicator):
                 values, summed_carry = tf.split(summed, [-1, int(carry.shape[0])])
         if indices is None:
             return values, summed_carry
+        if not densify:
+            return (tf.expand_dims(values, 0), tf.expand_dims(indices, 0)), summed_carry
         return (tf.scatter_nd(tf.expand_dims(indices, 1), values, tf.reshape(tf.constant(size, tf.int32), [1])),
                 summed_carry)
 

@@ -61,6 +61,43 @@ from tf_topk.selector import TopKSelector
 DEFAULT_MIN_SIZE = 4096
 
 ExchangeResult = collections.namedtuple("ExchangeResult", ["grads", "all_finite", "stats"])
+
+SparseGradient = collections.namedtuple("SparseGradient", ["values", "indices"])
+SparseGradient.__doc__ = """A sparsified variable's gradient summed over replicas, as pairs
+(`SparseExchange(..., sparse_output=True)`).
+
+values: [m] in the variable's dtype; indices: int32 [m] into the flattened
+  variable. The gradient is the sum of all pairs: an index may repeat (the
+  pairs of different replicas), and spare slots hold value 0 at index 0.
+Apply it with `apply_sparse_sgd`, or make it dense with `to_dense`.
+"""
+
+
+def to_dense(gradient, shape):
+    """A SparseGradient as a dense tensor of `shape` (one scatter)."""
+    flat = tf.scatter_nd(tf.expand_dims(gradient.indices, 1), gradient.values,
+                         tf.reshape(tf.constant(tf.TensorShape(shape).num_elements(), tf.int32), [1]))
+    return tf.reshape(flat, shape)
+
+
+def apply_sparse_sgd(variable, gradient, learning_rate):
+    """variable -= learning_rate * gradient for a SparseGradient, touching only
+    its entries (one scatter-subtract in place: O(pairs), not O(entries)).
+
+    Repeated indices subtract one after the other, in the pairs' order, which
+    is the same on every replica.
+
+    Example (a custom loop with plain SGD):
+      >>> result = exchange(grads)
+      >>> for variable, grad in zip(variables, result.grads):
+      ...     if isinstance(grad, tf_topk.exchange.SparseGradient):
+      ...         tf_topk.exchange.apply_sparse_sgd(variable, grad, 0.1)
+      ...     else:
+      ...         variable.assign_sub(0.1 * grad)
+    """
+    coordinates = tf.transpose(tf.unravel_index(gradient.indices, tf.shape(variable, out_type=tf.int32)))
+    step = tf.cast(learning_rate, variable.dtype) * tf.cast(gradient.values, variable.dtype)
+    return variable.scatter_nd_sub(coordinates, step)
 ExchangeResult.__doc__ = """What one exchange returns.
 
 grads: per variable, the gradient summed over replicas (None where the input
@@ -181,6 +218,11 @@ class SparseExchange(tf.Module):
       make_state: the factory `(variable, dtype, suffix) -> variable` the
         memory makes its per-replica state with (the Keras wrapper passes one
         that makes tracked Keras variables).
+      sparse_output: return each sparsified variable's summed gradient as a
+        `SparseGradient` (every replica's pairs; indices may repeat) instead
+        of a dense tensor: no pass over the variable's entries is made, and
+        `apply_sparse_sgd` updates only the entries sent. For plain SGD
+        (and momentum correction, whose exchanged sum plain SGD applies).
     """
 
     _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls"}
@@ -188,7 +230,8 @@ class SparseExchange(tf.Module):
     def __init__(self, variables, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
                  bucket_bytes=None, error_feedback=True, residuals=None, name="sparse_exchange",
                  selector=None, memory=None, communicator=None, make_state=None, momentum=None,
-                 nesterov=False, momentum_masking=True, local_clipnorm=None, exchange_mode="allgather"):
+                 nesterov=False, momentum_masking=True, local_clipnorm=None, exchange_mode="allgather",
+                 sparse_output=False):
         super().__init__(name=name)
         variables = list(variables)
         if not variables:
@@ -199,6 +242,7 @@ class SparseExchange(tf.Module):
         check_exchange_mode(exchange_mode)
         self.local_clipnorm = local_clipnorm
         self.exchange_mode = exchange_mode
+        self.sparse_output = bool(sparse_output)
         self.selector = selector if selector is not None else TopKSelector(method)
         self.method = getattr(self.selector, "method", method)
         self.schedule = DensitySchedule(density)
@@ -330,15 +374,13 @@ class SparseExchange(tf.Module):
         # 3. One collective per bucket (two with agreed indices); scatter.
         for index, ((members, ks, path, dense), selection) in enumerate(zip(plans, selections)):
             carry = _pack(small, non_finite) if index == carrier else None
-            dense_bucket, summed_carry = self._send_bucket(members, path, dense, selection, carry, context, totals)
+            summed, summed_carry = self._send_bucket(members, path, dense, selection, carry, context, totals)
             if carry is not None:
                 carried = summed_carry
-            offset = 0
-            for position in members:
-                spec = self._specs[position]
-                piece = dense_bucket[offset:offset + spec.size]
-                out[position] = tf.reshape(tf.cast(piece, spec.dtype), spec.shape)
-                offset += spec.size
+            if self.sparse_output and not (path == "allreduce" and dense is True):
+                self._split_pairs(members, selection, summed, out)
+            else:
+                self._split_dense(members, summed, out)
         if carried is not None:
             reduced = _unpack(carried, small)
         all_finite = tf.equal(reduced[-1], 0.0)
@@ -400,6 +442,27 @@ class SparseExchange(tf.Module):
             return sparse, False
         pairs = tf.add_n([tf.cast(k, tf.float32) for k in ks])
         return "allreduce", mode_bytes("allreduce", pairs, entries, replicas) > dense_bytes
+
+    def _split_dense(self, members, summed, out):
+        """A bucket's dense sum cut into its variables' gradients."""
+        offset = 0
+        for position in members:
+            spec = self._specs[position]
+            out[position] = tf.reshape(tf.cast(summed[offset:offset + spec.size], spec.dtype), spec.shape)
+            offset += spec.size
+
+    def _split_pairs(self, members, selection, pairs, out):
+        """A bucket's summed pairs ([P, K] values and bucket indices) cut into
+        its variables' SparseGradients."""
+        values, indices = pairs
+        lengths = tf.stack([tf.size(piece.values) for piece in selection.pieces])
+        offset = 0
+        for position, member_values, member_indices in zip(members, tf.split(values, lengths, axis=1),
+                                                           tf.split(indices, lengths, axis=1)):
+            spec = self._specs[position]
+            out[position] = SparseGradient(tf.cast(tf.reshape(member_values, [-1]), spec.dtype),
+                                           tf.reshape(member_indices, [-1]) - offset)
+            offset += spec.size
 
     def _carrier(self, plans, small, replicas):
         """Index of the bucket whose collective carries the dense-path
@@ -474,7 +537,8 @@ class SparseExchange(tf.Module):
                                       + gather_bytes(carry_entries, replicas))
             totals["mode"] += MODE_CODES["allgather"]
             totals["buckets"] += 1.0
-            return self.communicator.exchange_pairs(context, selection.values, selection.indices, size, carry)
+            return self.communicator.exchange_pairs(context, selection.values, selection.indices, size, carry,
+                                                    densify=not self.sparse_output)
         pairs = tf.cast(tf.size(selection.values), tf.float32)
         totals["k"] += pairs
         totals["other_bytes"] += (tf.where(dense, mode_bytes("dense", pairs, size, replicas),
@@ -482,7 +546,8 @@ class SparseExchange(tf.Module):
                                   + ring_all_reduce_bytes(4.0 * carry_entries, replicas))
         totals["mode"] += tf.where(dense, MODE_CODES["dense"], MODE_CODES["allreduce"])
         totals["buckets"] += 1.0
-        return self.communicator.sum_values(context, selection.values, selection.agreed, size, carry)
+        return self.communicator.sum_values(context, selection.values, selection.agreed, size, carry,
+                                            densify=not self.sparse_output or dense is True)
 
     def _agree(self, accumulated, ks, sizes, offsets, dense, leader, context):
         """The agreed-index mode's selection: the bucket's agreed indices (None

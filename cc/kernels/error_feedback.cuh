@@ -33,7 +33,7 @@
 // in any order) can leave stats[1] a tiny bit negative when almost all the
 // energy is selected; the Python side clamps it at 0. Squares are summed in
 // float per thread, so finite entries above ~1.8e19 in magnitude make the
-// sums Inf (as the CPU kernel's float partial sums do).
+// sums Inf here (the CPU kernel sums such chunks again in double).
 #ifndef TF_TOPK_CC_KERNELS_ERROR_FEEDBACK_CUH_
 #define TF_TOPK_CC_KERNELS_ERROR_FEEDBACK_CUH_
 
@@ -269,9 +269,10 @@ inline bool ErrorFeedbackArgumentsValid(const T* gradient,
       !AlignedTo(remaining, sizeof(float)) || !AlignedTo(stats, sizeof(double))) {
     return false;
   }
-  if (remaining != residual && remaining < residual + n && residual < remaining + n) {
-    return false;
-  }
+  const uintptr_t r = reinterpret_cast<uintptr_t>(residual);
+  const uintptr_t m = reinterpret_cast<uintptr_t>(remaining);
+  const uintptr_t bytes = static_cast<uintptr_t>(n) * sizeof(float);
+  if (m != r && m < r + bytes && r < m + bytes) return false;
   // values, indices and scratch are only used when something is selected
   // (TF hands out null data pointers for empty tensors).
   return k == 0 || (values != nullptr && indices != nullptr && scratch != nullptr);

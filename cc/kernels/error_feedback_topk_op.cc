@@ -22,6 +22,7 @@
 
 #include "error_feedback_topk_op.h"
 
+#include <cmath>
 #include <limits>
 #include <string>
 #include <vector>
@@ -48,9 +49,9 @@ namespace {
 // well inside L1/L2, and a multiple of the prefilter's 16-entry groups.
 constexpr int64_t kChunk = 4096;
 
-// What a block's pass adds up. Squares of a chunk are summed in the
-// accumulated dtype (float32 partial sums over at most kChunk entries), then
-// in double.
+// What a block's pass adds up, in double. float32 chunks sum their squares
+// in float32 (partial sums over at most kChunk entries), and again in double
+// when that overflowed.
 struct BlockSums {
   double accumulated_squares = 0.0;
   double below_squares = 0.0;  // finite entries under the prefilter threshold
@@ -61,7 +62,7 @@ struct BlockSums {
 template <typename T, typename R>
 void AccumulateScalar(const T* gradient, const R* residual, int64_t begin,
                       int64_t end, uint32_t low_key, R* out, BlockSums* sums) {
-  R squares = R(0), below = R(0);
+  double squares = 0.0, below = 0.0;
   int64_t non_finite = 0;
   for (int64_t i = begin; i < end; ++i) {
     const R a = static_cast<R>(gradient[i]) + residual[i];
@@ -71,11 +72,12 @@ void AccumulateScalar(const T* gradient, const R* residual, int64_t begin,
       ++non_finite;
       continue;
     }
-    squares += a * a;
-    if (key < low_key) below += a * a;
+    const double square = static_cast<double>(a) * static_cast<double>(a);
+    squares += square;
+    if (key < low_key) below += square;
   }
-  sums->accumulated_squares += static_cast<double>(squares);
-  sums->below_squares += static_cast<double>(below);
+  sums->accumulated_squares += squares;
+  sums->below_squares += below;
   sums->non_finite += non_finite;
 }
 
@@ -130,6 +132,17 @@ void AccumulateChunk<float, float>(const float* gradient, const float* residual,
     total += squares[lane];
     total_below += below[lane];
     count += non_finite[lane];
+  }
+  if (!std::isfinite(total) || !std::isfinite(total_below)) {
+    // Entries above 2^64 in magnitude: their float32 squares overflowed.
+    total = total_below = 0.0;
+    for (int64_t j = begin; j < i; ++j) {
+      const uint32_t key = cpu::KeyOf(out[j]);
+      if (key >= kInfBits) continue;
+      const double square = static_cast<double>(out[j]) * out[j];
+      total += square;
+      if (key < low_key) total_below += square;
+    }
   }
   sums->accumulated_squares += total;
   sums->below_squares += total_below;

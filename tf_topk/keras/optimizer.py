@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tf_topk.adapter import (InnerOverrides, TopKWrapper, check_exchange_arguments, check_inner_only_arguments,
                              check_inner_optimizer)
-from tf_topk.exchange import DEFAULT_MIN_SIZE
+from tf_topk.exchange import DEFAULT_MIN_SIZE, SparseGradient, apply_sparse_sgd
 from tf_topk.keras.loss_scale_fix import apply_loss_scale_fix
 from tf_topk.keras.mwms_fix import apply_mwms_fix
 from tf_topk.replica_state import keeps_replica_values, restore_value, saved_values
@@ -101,6 +101,12 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
       exchange_mode: "allgather" (default), "auto" or "allreduce" (agreed
         indices, bytes per worker that do not grow with the number of
         workers), as in `tf_topk.SparseExchange`.
+      sparse_updates: update each sparsified variable only at the entries
+        sent (`variable -= lr * pairs`, O(pairs) instead of a dense gradient
+        and an update of every entry). For an inner SGD without momentum
+        (or with momentum_correction=True), weight decay, clipping or EMA
+        (else a ValueError); the result is the same update as dense, up to
+        the order of float additions.
 
     Mixed precision: the LossScaleOptimizer goes outside, never inside. Set
     the "mixed_float16" policy and `model.compile` wraps the TopKOptimizer in
@@ -119,13 +125,13 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
 
     def __init__(self, inner_optimizer, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
                  bucket_bytes=None, error_feedback=True, momentum_correction=False, local_clipnorm=None,
-                 name=None, exchange_mode="allgather", **kwargs):
+                 name=None, exchange_mode="allgather", sparse_updates=False, **kwargs):
         check_inner_optimizer(inner_optimizer, keras.optimizers.Optimizer, TopKOptimizer,
                               keras.mixed_precision.LossScaleOptimizer, "keras")
         arguments = check_exchange_arguments(
             inner_optimizer, keras.optimizers.SGD, "keras", density=density, method=method, min_size=min_size,
             bucket_bytes=bucket_bytes, error_feedback=error_feedback, momentum_correction=momentum_correction,
-            local_clipnorm=local_clipnorm, exchange_mode=exchange_mode)
+            local_clipnorm=local_clipnorm, exchange_mode=exchange_mode, sparse_updates=sparse_updates)
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "keras")
         super().__init__(learning_rate=0.0, name=name or "topk_optimizer")
         apply_mwms_fix()  # keras#20585: model.fit under MultiWorkerMirroredStrategy
@@ -204,10 +210,33 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         return self.iterations
 
     def _apply_update(self, grads, trainable_variables):
-        present = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if isinstance(g, SparseGradient)]
+        present = [(g, v) for g, v in zip(grads, trainable_variables)
+                   if g is not None and not isinstance(g, SparseGradient)]
+        if pairs:  # first: the learning rate of this iteration, before the inner apply advances it
+            self._apply_pairs(pairs)
         with InnerOverrides(self.inner_optimizer, self._inner_overrides):
-            self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
+            if present:
+                self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
+            else:
+                self.inner_optimizer.iterations.assign_add(1)
         return tf.constant(True)
+
+    def _apply_pairs(self, pairs):
+        """sparse_updates: plain SGD on the sent entries of each variable,
+        through the strategy's variable update as Keras applies its own."""
+        learning_rate = self.inner_optimizer.learning_rate
+
+        def update(distribution, pairs):
+            for grad, variable in pairs:
+                distribution.extended.update(variable, lambda v, g: apply_sparse_sgd(v, g, learning_rate),
+                                             args=(grad,), group=False)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(update, tf.distribute.get_strategy(),
+                                                           [(g, v.value) for g, v in pairs])
+        for _, variable in pairs:
+            if variable.constraint is not None:
+                variable.assign(variable.constraint(variable))
 
     def apply_gradients(self, grads_and_vars):
         grads, trainable_variables = zip(*grads_and_vars)

@@ -61,6 +61,8 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
     legacy one, not a LossScaleOptimizer), density, method, min_size,
     bucket_bytes, error_feedback, momentum_correction (for an inner
     `tf_keras.optimizers.SGD` with momentum > 0), local_clipnorm, name, exchange_mode.
+    Not `sparse_updates` (Keras 3 only): tf_keras applies updates through its
+    own distributed apply, which takes dense or IndexedSlices gradients.
     Residuals and velocities are per-replica variables of this optimizer,
     saved in checkpoints, BackupAndRestore backups and SavedModels; a step
     where any replica has a non-finite gradient is skipped by every replica
@@ -82,7 +84,10 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
 
     def __init__(self, inner_optimizer, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
                  bucket_bytes=None, error_feedback=True, momentum_correction=False, local_clipnorm=None,
-                 name=None, exchange_mode="allgather", **kwargs):
+                 name=None, exchange_mode="allgather", sparse_updates=False, **kwargs):
+        if sparse_updates:
+            raise ValueError("sparse_updates=True is available with Keras 3 (tf_topk.TopKOptimizer) and custom "
+                             "loops (SparseExchange(sparse_output=True)), not with tf_keras")
         if isinstance(inner_optimizer, tf_keras.optimizers.legacy.Optimizer):
             raise ValueError(
                 f"TopKOptimizer does not wrap legacy optimizers (got tf_keras.optimizers.legacy."

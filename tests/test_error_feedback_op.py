@@ -1,0 +1,148 @@
+"""The fused error-feedback selection op against a numpy reference.
+
+`tf_topk.error_feedback_topk(gradient, residual, k)` must give exactly what
+the unfused steps give: accumulated = gradient + residual (in the residual's
+dtype), the selection `approx_topk` makes on it, remaining = accumulated with
+the selected entries zeroed, and the statistics of both, for every dtype,
+method, k, non-finite pattern and residual state; on both CPU paths (the
+one-pass prefilter for large inputs, the two-pass fallback for small ones).
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_topk
+
+SMALL, LARGE = 1003, 300_001  # the two-pass path; the prefilter path (>= 262,144 entries), odd lengths
+DTYPES = {"float32": (tf.float32, np.float32), "float16": (tf.float16, np.float32),
+          "bfloat16": (tf.bfloat16, np.float32), "float64": (tf.float64, np.float64)}
+
+
+def make(n, dtype, residual_state, pattern, seed=0):
+    """A gradient of `dtype` and a residual (its numpy value and dtype)."""
+    tf_dtype, residual_np = DTYPES[dtype]
+    rng = np.random.default_rng(seed)
+    grad = rng.standard_normal(n)
+    grad[rng.random(n) < 0.1] = 0.0  # zeros are never selected
+    if residual_state == "zeros":
+        residual = np.zeros(n)
+    elif residual_state == "random":
+        residual = 0.5 * rng.standard_normal(n)
+    else:  # "heavy": a few residual entries that dominate the accumulation
+        residual = np.zeros(n)
+        residual[rng.choice(n, 7, replace=False)] = 100.0 * rng.standard_normal(7)
+    if pattern == "nan":
+        grad[[3, n // 2]] = np.nan
+    elif pattern == "inf":
+        grad[5] = np.inf
+        residual[n - 2] = -np.inf
+    elif pattern == "overflow":  # finite parts whose sum is not
+        big = 3e38 if residual_np is np.float32 else 1.7e308
+        grad[7], residual[7] = big if dtype in ("float32", "float64") else 6e4, big
+    grad_tensor = tf.cast(tf.constant(grad, tf.float64), tf_dtype)
+    return grad_tensor, residual.astype(residual_np)
+
+
+def reference(grad_tensor, residual, k, method):
+    """accumulated, the op's selection per approx_topk, remaining, stats (numpy)."""
+    grad = tf.cast(grad_tensor, residual.dtype).numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        accumulated = (grad + residual).astype(residual.dtype)
+    values, indices = tf_topk.approx_topk(tf.constant(accumulated), k, method=method)
+    values, indices = values.numpy(), indices.numpy()
+    remaining = accumulated.copy()
+    remaining[indices[values != 0]] = 0
+    finite = np.isfinite(accumulated)
+    stats = [np.sum(accumulated[finite].astype(np.float64) ** 2), np.sum(remaining[finite].astype(np.float64) ** 2),
+             float(np.count_nonzero(~finite))]
+    return accumulated, values, indices, remaining, stats
+
+
+def check(n, dtype, residual_state, pattern, k, method):
+    grad, residual = make(n, dtype, residual_state, pattern)
+    accumulated, values, indices, remaining, stats = reference(grad, residual, k, method)
+    out = tf_topk.error_feedback_topk(grad, tf.constant(residual), k, method=method)
+    assert out.values.dtype == residual.dtype and out.remaining.dtype == residual.dtype
+    assert out.values.shape == (k,) and out.indices.shape == (k,) and out.remaining.shape == (n,)
+    np.testing.assert_array_equal(out.values.numpy(), values)  # the same selection, in the same order
+    np.testing.assert_array_equal(out.indices.numpy(), indices)
+    np.testing.assert_array_equal(out.remaining.numpy(), remaining)  # NaN where accumulated is NaN
+    np.testing.assert_allclose(out.stats.numpy(), stats, rtol=2e-5)
+    chosen = values != 0
+    np.testing.assert_array_equal(values[chosen], accumulated[indices[chosen]])
+    qualifying = np.count_nonzero(np.isfinite(accumulated) & (accumulated != 0))
+    assert np.count_nonzero(chosen) == min(k, qualifying)
+    if method == "exact":  # the k largest magnitudes
+        finite = np.abs(np.where(np.isfinite(accumulated), accumulated, 0))
+        np.testing.assert_allclose(np.sort(np.abs(values[chosen]))[::-1], np.sort(finite)[::-1][:len(values[chosen])])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("method", ["gaussian", "exact"])
+@pytest.mark.parametrize("pattern", ["finite", "nan", "inf", "overflow"])
+def test_every_dtype_method_and_non_finite_pattern(dtype, method, pattern):
+    check(SMALL, dtype, "random", pattern, 17, method)
+    check(LARGE, dtype, "random", pattern, 300, method)
+
+
+@pytest.mark.parametrize("residual_state", ["zeros", "random", "heavy"])
+@pytest.mark.parametrize("n,k", [(SMALL, 0), (SMALL, 1), (SMALL, 500), (SMALL, SMALL), (LARGE, 1), (LARGE, 3000),
+                                 (LARGE, 40_000)])
+def test_every_k_and_residual_state(residual_state, n, k):
+    check(n, "float32", residual_state, "finite", k, "gaussian")
+    check(n, "float32", residual_state, "nan", k, "exact")
+
+
+def test_the_residual_input_is_never_written_and_held_outputs_never_change():
+    """Outputs come from buffers the kernel recycles: one still held (by a
+    tensor or a variable) must never be handed out again."""
+    rng = np.random.default_rng(1)
+    residual = tf.Variable(rng.standard_normal(LARGE).astype(np.float32))
+    before = residual.numpy().copy()
+    held = []
+    for step in range(5):
+        grad = tf.constant(rng.standard_normal(LARGE).astype(np.float32))
+        out = tf_topk.error_feedback_topk(grad, residual, 100)
+        held.append((out.remaining, out.remaining.numpy().copy()))
+    np.testing.assert_array_equal(residual.numpy(), before)
+    for tensor, copy in held:
+        np.testing.assert_array_equal(tensor.numpy(), copy)
+
+    @tf.function
+    def step(grad):
+        out = tf_topk.error_feedback_topk(grad, residual, 100)
+        residual.assign(out.remaining)  # takes the buffer over
+        return out.values
+
+    expected = residual.numpy()
+    for _ in range(4):
+        grad = rng.standard_normal(LARGE).astype(np.float32)
+        _, _, _, expected, _ = reference(tf.constant(grad), expected, 100, "gaussian")
+        step(tf.constant(grad))
+        np.testing.assert_array_equal(residual.numpy(), expected)
+
+
+def test_bad_arguments_name_the_argument_and_the_value():
+    grad = tf.zeros([10])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="residual must be float32 for a float32 gradient"):
+        tf_topk.error_feedback_topk(grad, tf.zeros([10], tf.float64), 1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"residual must have as many entries as gradient \(10\)"):
+        tf_topk.error_feedback_topk(grad, tf.zeros([9]), 1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be <= the number of entries of gradient \(10\)"):
+        tf_topk.error_feedback_topk(grad, tf.zeros([10]), 11)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="k must be >= 0, got k = -1"):
+        tf_topk.error_feedback_topk(grad, tf.zeros([10]), -1)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="gradient must be float32, float16, bfloat16 or float64"):
+        tf_topk.error_feedback_topk(tf.zeros([10], tf.int32), tf.zeros([10]), 1)
+    with pytest.raises(ValueError, match="method must be one of"):
+        tf_topk.error_feedback_topk(grad, tf.zeros([10]), 1, method="median")
+
+    @tf.function(input_signature=[tf.TensorSpec([None]), tf.TensorSpec([], tf.int32)])
+    def dynamic(residual, k):  # sizes and k known only at run time: the kernel checks
+        return tf_topk.error_feedback_topk(grad, residual, k).values
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"residual must have as many entries as gradient"):
+        dynamic(tf.zeros([7]), tf.constant(1))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be <= the number of entries of gradient"):
+        dynamic(tf.zeros([10]), tf.constant(12))
