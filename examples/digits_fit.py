@@ -38,6 +38,8 @@ def parse_args(argv=None):
                              "sparsified updates further, see README)")
     parser.add_argument("--momentum-correction", action="store_true",
                         help="DGC's momentum correction: the exchange applies --momentum per replica")
+    parser.add_argument("--sparse-updates", action="store_true",
+                        help="update only the entries sent (plain SGD, or --momentum-correction)")
     parser.add_argument("--warmup-epochs", type=int, default=0,
                         help="DGC density warm-up over this many epochs, down to --density")
     parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.3 for sgd, 0.002 for adam")
@@ -135,7 +137,8 @@ def main(argv=None):
             steps_per_epoch = -(-len(x_train) // args.batch_size)
             density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=args.density)
         optimizer = inner if args.dense else tf_topk.TopKOptimizer(
-            inner, density=density, method=args.method, momentum_correction=args.momentum_correction)
+            inner, density=density, method=args.method, momentum_correction=args.momentum_correction,
+            sparse_updates=args.sparse_updates)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"],

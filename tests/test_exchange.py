@@ -182,3 +182,78 @@ def test_every_replica_and_every_bucketing_get_bitwise_the_same_sum(data):
 
 def test_replicas_keep_their_own_residuals(data):
     assert not np.array_equal(data["one_bucket/step0/replica0/residual0"], data["one_bucket/step0/replica1/residual0"])
+
+
+# -- sparse output, and the non-finite skip with one collective per step -------------------------
+
+def test_sparse_output_sums_to_the_dense_output_in_every_mode():
+    import tensorflow as tf
+
+    import tf_topk
+    from tf_topk.exchange import SparseGradient, apply_sparse_sgd, to_dense
+
+    rng = np.random.default_rng(0)
+    variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
+    for kwargs in (dict(), dict(bucket_bytes=8), dict(exchange_mode="allreduce"), dict(density=0.9)):
+        kwargs = dict(dict(density=DENSITY, min_size=MIN_SIZE), **kwargs)
+        dense = tf_topk.SparseExchange(variables, **kwargs)
+        sparse = tf_topk.SparseExchange(variables, sparse_output=True, **kwargs)
+        for _ in range(2):
+            grads = [tf.constant(rng.standard_normal(shape).astype(np.float32)) for shape in SHAPES]
+            for d, s, shape in zip(dense(grads).grads, sparse(grads).grads, SHAPES):
+                assert isinstance(s, SparseGradient) == (math.prod(shape) >= MIN_SIZE), kwargs
+                np.testing.assert_array_equal(to_dense(s, shape).numpy() if isinstance(s, SparseGradient)
+                                              else s.numpy(), d.numpy())
+        target = tf.Variable(tf.ones(SHAPES[0]))
+        result = sparse(grads).grads[0]
+        reference = 1.0 - 0.5 * to_dense(result, SHAPES[0]).numpy()
+        apply_sparse_sgd(target, result, 0.5)
+        np.testing.assert_allclose(target.numpy(), reference, rtol=1e-6)
+
+
+NAN_CODE = """
+import json, sys
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
+import tf_topk
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+shapes = [(3000,), (50,)]
+with strategy.scope():
+    variables = [tf.Variable(tf.zeros(s)) for s in shapes]
+    exchange = tf_topk.SparseExchange(variables, density=0.01, min_size=1000, sparse_output=sys.argv[1] == "1")
+
+@tf.function
+def step(grads):
+    def replica_fn():
+        r = tf.distribute.get_replica_context().replica_id_in_sync_group
+        result = exchange([tf.gather(g, r) for g in grads])
+        return result.all_finite
+    return strategy.run(replica_fn)
+
+rng = np.random.default_rng(0)
+report = []
+for index in range(3):
+    grads = [rng.standard_normal((3, *s)).astype(np.float32) for s in shapes]
+    if index == 1:
+        grads[0][2, 17] = np.nan  # replica 2 only; replicas 0 and 1 are finite
+    finite = [bool(f) for f in strategy.experimental_local_results(step([tf.constant(g) for g in grads]))]
+    residuals = [r.numpy().tolist() for r in strategy.experimental_local_results(exchange.residuals[0])]
+    report.append({"finite": finite, "residuals": residuals})
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.parametrize("sparse_output", [False, True])
+def test_a_non_finite_replica_makes_every_replica_keep_its_residual(sparse_output, tmp_path):
+    """The finite flag travels with the pairs: the finite replicas learn about
+    the NaN after selecting, and must still leave their residuals as they were."""
+    proc = subprocess.run([sys.executable, "-c", NAN_CODE, "1" if sparse_output else "0"], cwd=str(tmp_path),
+                          env=dict(worker_env(), TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first, skipped, third = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first["finite"] == [True] * 3 and skipped["finite"] == [False] * 3 and third["finite"] == [True] * 3
+    assert skipped["residuals"] == first["residuals"]  # every replica, bitwise
+    assert third["residuals"] != first["residuals"]
+    assert all(np.count_nonzero(r) > 0 for r in first["residuals"])

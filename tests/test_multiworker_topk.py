@@ -49,6 +49,15 @@ def test_topk_fit_matches_dense_accuracy_with_identical_weights(workers, tmp_pat
     assert topk[0]["skipped_steps"] == 0
 
 
+def test_sparse_updates_with_momentum_correction_keep_workers_identical(tmp_path):
+    """Two workers, each applying every replica's pairs in place (sparse_updates):
+    the same order of additions on both, so the same weights bitwise."""
+    reports, weights = fit(2, tmp_path / "sparse", "--density", "0.01", "--momentum", "0.9",
+                           "--momentum-correction", "--sparse-updates", "--learning-rate", "0.05")
+    assert_identical(weights)
+    assert reports[0]["test_accuracy"] > 0.9 and reports[0]["skipped_steps"] == 0
+
+
 def test_two_logical_cpus_in_one_process_match_two_workers(tmp_path):
     workers, _ = fit(2, tmp_path / "workers", "--density", "0.01")
     out = tmp_path / "mirrored"

@@ -308,3 +308,48 @@ def test_loss_scale_fix_is_a_logged_no_op_where_keras_does_not_fit(monkeypatch, 
     with caplog.at_level("WARNING"):
         assert loss_scale_fix.apply_loss_scale_fix() is False
     assert "has no check_finite" in caplog.text
+
+
+# -- sparse updates ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("momentum_correction", [False, True])
+def test_sparse_updates_give_the_dense_update(momentum_correction):
+    """One replica: variable -= lr * pairs is the dense SGD update exactly, plain or with
+    momentum correction; the small variables still go through the inner SGD."""
+    x, y = digits(256)
+    runs = []
+    for sparse_updates in (False, True):
+        keras.utils.set_random_seed(0)
+        model = mlp()
+        inner = keras.optimizers.SGD(0.1, momentum=0.9 if momentum_correction else 0.0)
+        opt = tf_topk.TopKOptimizer(inner, density=0.05, min_size=100, momentum_correction=momentum_correction,
+                                    sparse_updates=sparse_updates)
+        compile_fit(model, opt, x, y, epochs=2)
+        runs.append(([w.numpy() for w in model.trainable_variables], int(opt.iterations.numpy())))
+    (dense, dense_steps), (sparse, sparse_steps) = runs
+    assert dense_steps == sparse_steps == 8
+    for a, b in zip(dense, sparse):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sparse_updates_round_trip_in_the_config_and_respect_constraints():
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), sparse_updates=True)
+    assert tf_topk.TopKOptimizer.from_config(opt.get_config()).sparse_updates is True
+    inputs = keras.Input((64,))
+    outputs = keras.layers.Dense(128, kernel_constraint=keras.constraints.NonNeg())(inputs)
+    model = keras.Model(inputs, keras.layers.Dense(10)(outputs))
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(1.0), density=0.5, min_size=100, sparse_updates=True)
+    x, y = digits(64)
+    compile_fit(model, opt, x, y, epochs=1)
+    assert model.layers[1].kernel.numpy().min() >= 0.0
+
+
+@pytest.mark.parametrize("inner,kwargs,message", [
+    (lambda: keras.optimizers.Adam(), {}, r"needs a keras.optimizers.SGD as inner optimizer .* got Adam"),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.9), {}, r"without momentum \(got momentum=0.9\)"),
+    (lambda: keras.optimizers.SGD(0.1, weight_decay=1e-4), {}, r"weight_decay=0.0001 would be ignored"),
+    (lambda: keras.optimizers.SGD(0.1, clipnorm=1.0), {}, r"clipnorm=1.0 would be ignored"),
+])
+def test_sparse_updates_refuse_what_plain_sgd_on_the_pairs_would_ignore(inner, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tf_topk.TopKOptimizer(inner(), sparse_updates=True, **kwargs)

@@ -95,8 +95,8 @@ def machine_info():
             "python": platform.python_version(), "loadavg_start": [round(v, 2) for v in os.getloadavg()]}
 
 
-def configurations(densities):
-    return ["dense"] + [f"topk:{d:g}" for d in densities]
+def configurations(densities, dgc=False):
+    return ["dense"] + [f"topk:{d:g}" for d in densities] + ([f"dgc:{d:g}" for d in densities] if dgc else [])
 
 
 def _per_step(workers_results, key):
@@ -234,7 +234,7 @@ def run(args):
             _log(f"setting up namespaces {cluster.base}-*")
             cluster.setup()  # a partial set-up is removed by the teardown below
             result["qdiscs"] = cluster.describe()
-        for config in configurations(args.densities):
+        for config in configurations(args.densities, args.dgc):
             row, first = run_config(config, args, cluster, run_id, out_dir, stream)
             rows.append(row)
             result.update(params=first["params"], tf_version=first["tf_version"],
@@ -281,6 +281,8 @@ def main(argv=None):
                         help="wide: 12.6M-parameter MLP; cnn: small CNN (0.2M); tiny: for tests")
     parser.add_argument("--densities", type=_parse_densities, default=[0.01, 0.001],
                         help="comma-separated TopK densities (default 0.01,0.001)")
+    parser.add_argument("--dgc", action="store_true",
+                        help="also run dgc:<d> per density: momentum correction and sparse updates")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (tracing, connections)")
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")

@@ -7,6 +7,9 @@ configuration under MultiWorkerMirroredStrategy with a custom loop:
 
     dense         the plain optimizer: Keras's dense all-reduce of every gradient
     topk:<d>      tf_topk.TopKOptimizer(same optimizer, density=d)
+    dgc:<d>       the same with momentum_correction=True, sparse_updates=True:
+                  the momentum moves into the exchange, and the update touches
+                  only the entries sent
 
 on generated data (a fixed random teacher labels Gaussian inputs; each worker
 has its own batches), `--warmup` steps, then `--steps` timed steps, each
@@ -112,19 +115,19 @@ def make_batches(np, shape, classes, batch_size, seed, index, count=4):
 
 
 def parse_config(text):
-    """'dense' -> (None); 'topk:0.001' -> 0.001."""
+    """'dense' -> (None, None); 'topk:0.001' -> ('topk', 0.001); 'dgc:0.001' -> ('dgc', 0.001)."""
     if text == "dense":
-        return None
-    m = re.match(r"^topk:(\d*\.?\d+(?:e-?\d+)?)$", text)
-    if not m or not 0 < float(m.group(1)) <= 1:
-        raise ValueError(f"config must be 'dense' or 'topk:<density in (0, 1]>', got {text!r}")
-    return float(m.group(1))
+        return None, None
+    m = re.match(r"^(topk|dgc):(\d*\.?\d+(?:e-?\d+)?)$", text)
+    if not m or not 0 < float(m.group(2)) <= 1:
+        raise ValueError(f"config must be 'dense', 'topk:<density in (0, 1]>' or 'dgc:<density>', got {text!r}")
+    return m.group(1), float(m.group(2))
 
 
 def parse_args(argv=None):
     """The worker's options; tf_topk.bench.e2e writes this command line, so the two change together."""
     p = argparse.ArgumentParser(prog="python -m tf_topk.bench.e2e_worker")
-    p.add_argument("--config", required=True, help="dense or topk:<density>")
+    p.add_argument("--config", required=True, help="dense, topk:<density> or dgc:<density>")
     p.add_argument("--model", choices=MODELS, default="wide")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -157,14 +160,20 @@ def start_strategy(tf, args):
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 
-def build_training(keras, tf_topk, strategy, args, density):
+def build_training(keras, tf_topk, strategy, args, kind, density):
     """(model, optimizer, input shape, classes), created in the strategy's scope
     so their variables are mirrored: the plain SGD for `dense` (Keras's dense
-    all-reduce), TopKOptimizer around the same SGD for `topk:<d>`."""
+    all-reduce), TopKOptimizer around the same SGD for `topk:<d>`, with
+    momentum correction and sparse updates for `dgc:<d>`."""
     with strategy.scope():
         model, shape, classes = build_model(keras, args.model, args.seed)
         inner = keras.optimizers.SGD(args.learning_rate, momentum=0.9)
-        optimizer = inner if density is None else tf_topk.TopKOptimizer(inner, density=density, method=args.method)
+        if kind is None:
+            optimizer = inner
+        else:
+            dgc = kind == "dgc"
+            optimizer = tf_topk.TopKOptimizer(inner, density=density, method=args.method, momentum_correction=dgc,
+                                              sparse_updates=dgc)
     return model, optimizer, shape, classes
 
 
@@ -252,7 +261,7 @@ def exit_without_teardown():
 def main(argv=None):
     args = parse_args(argv)
     die_with_parent(args.parent_pid)
-    density = parse_config(args.config)
+    kind, density = parse_config(args.config)
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
     import numpy as np
@@ -264,7 +273,7 @@ def main(argv=None):
     import tf_topk
 
     replicas = strategy.num_replicas_in_sync
-    model, optimizer, shape, classes = build_training(keras, tf_topk, strategy, args, density)
+    model, optimizer, shape, classes = build_training(keras, tf_topk, strategy, args, kind, density)
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     global_batch = args.batch_size * replicas
     batches = [(tf.constant(x), tf.constant(y)) for x, y in
