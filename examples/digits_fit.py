@@ -30,6 +30,8 @@ import time
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01, help="fraction of entries sent per step")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="choose the density every step (tf_topk.schedule.AdaptiveDensity); --density is ignored")
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian")
     parser.add_argument("--dense", action="store_true", help="train with the plain optimizer (dense all-reduce)")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
@@ -132,8 +134,8 @@ def main(argv=None):
             inner = keras.optimizers.SGD(args.learning_rate or 0.3, momentum=args.momentum)
         else:
             inner = keras.optimizers.Adam(args.learning_rate or 0.002)
-        density = args.density
-        if args.warmup_epochs:
+        density = "adaptive" if args.adaptive else args.density
+        if args.warmup_epochs and not args.adaptive:
             steps_per_epoch = -(-len(x_train) // args.batch_size)
             density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=args.density)
         optimizer = inner if args.dense else tf_topk.TopKOptimizer(
@@ -150,7 +152,7 @@ def main(argv=None):
         callbacks.insert(0, backup)  # restores before the other callbacks start
     if chief:
         mode = "dense all-reduce" if args.dense else (
-            f"TopK density {args.density} ({args.method}" + (", momentum correction)" if args.momentum_correction
+            f"TopK density {'adaptive' if args.adaptive else args.density} ({args.method}" + (", momentum correction)" if args.momentum_correction
                                                             else ")"))
         print(f"{args.dataset}: {len(x_train)} train / {len(x_test)} test, {model.count_params()} parameters, "
               f"{replicas} replica(s), {mode}", flush=True)
@@ -166,7 +168,9 @@ def main(argv=None):
     bytes_per_step = dense_bytes if args.dense else stats["bytes_sent"]
     step_time = statistics.median(timer.times[len(timer.times) // 5:]) if timer.times else float("nan")
     result = {
-        "worker": worker, "replicas": replicas, "dense": args.dense, "density": None if args.dense else args.density,
+        "worker": worker, "replicas": replicas, "dense": args.dense,
+        "density": None if args.dense else "adaptive" if args.adaptive else args.density,
+        "densities": [float(v) for v in history.history.get("topk_density", [])],
         "test_accuracy": float(test_accuracy), "test_loss": float(test_loss),
         "loss": [float(v) for v in history.history["loss"]],
         "bytes_per_step": float(bytes_per_step), "dense_bytes_per_step": float(dense_bytes),

@@ -146,3 +146,22 @@ def test_bad_arguments_name_the_argument_and_the_value():
         dynamic(tf.zeros([7]), tf.constant(1))
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be <= the number of entries of gradient"):
         dynamic(tf.zeros([10]), tf.constant(12))
+
+
+@pytest.mark.parametrize("n", [SMALL, LARGE])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_profile_counts_and_energies_per_magnitude_bin(n, dtype):
+    """The adaptive rule's input: per 1/8-octave bin of |gradient + residual|
+    (the float32 bits >> 20), the count and the sum of squares of the finite
+    non-zero entries."""
+    grad, residual = make(n, dtype, "random", "inf")
+    accumulated, *_ = reference(grad, residual, 5, "gaussian")
+    out = tf_topk.error_feedback_topk(grad, tf.constant(residual), 5, with_profile=True)
+    assert out.profile.shape == (2, tf_topk.ops.PROFILE_BINS)
+    finite = accumulated[np.isfinite(accumulated) & (accumulated != 0)]
+    bins = (np.abs(finite.astype(np.float32)).view(np.uint32) >> 20).astype(np.int64)
+    counts = np.bincount(bins, minlength=2048)
+    energies = np.bincount(bins, weights=finite.astype(np.float64) ** 2, minlength=2048)
+    np.testing.assert_array_equal(out.profile.numpy()[0], counts)
+    np.testing.assert_allclose(out.profile.numpy()[1], energies, rtol=1e-9)
+    assert tf_topk.error_feedback_topk(grad, tf.constant(residual), 5).profile.shape == (2, 0)

@@ -58,6 +58,16 @@ def test_sparse_updates_with_momentum_correction_keep_workers_identical(tmp_path
     assert reports[0]["test_accuracy"] > 0.9 and reports[0]["skipped_steps"] == 0
 
 
+def test_adaptive_density_two_workers_agree_on_k_every_step(tmp_path):
+    """Each worker proposes a density from its own gradient; the mean travels
+    in the step's collective, so both use the same k (identical weights)."""
+    reports, weights = fit(2, tmp_path / "adaptive", "--adaptive")
+    assert_identical(weights)
+    assert reports[0]["densities"] == reports[1]["densities"]
+    assert len(set(reports[0]["densities"])) > 1, reports[0]["densities"]  # it moves
+    assert reports[0]["test_accuracy"] > 0.9 and reports[0]["skipped_steps"] == 0
+
+
 def test_two_logical_cpus_in_one_process_match_two_workers(tmp_path):
     workers, _ = fit(2, tmp_path / "workers", "--density", "0.01")
     out = tmp_path / "mirrored"

@@ -2,10 +2,12 @@
 
 import math
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_topk.schedule import DensitySchedule, dgc_warmup
+import tf_topk
+from tf_topk.schedule import GRID_POINTS, AdaptiveDensity, DensitySchedule, dgc_warmup
 
 
 def test_constant_density_gives_a_python_int_k():
@@ -102,3 +104,83 @@ def test_dgc_warmup_falls_exponentially_per_epoch_to_the_final_density():
 def test_dgc_warmup_refuses_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         dgc_warmup(**kwargs)
+
+
+# -- adaptive density -------------------------------------------------------------------------------
+
+
+
+def exact_gain(magnitudes, k):
+    """E(k): the energy of the k largest magnitudes."""
+    ordered = np.sort(magnitudes.astype(np.float64))[::-1]
+    return np.sum(ordered[:int(k)] ** 2)
+
+
+def grid(entries, rule):
+    low = max(1.0, np.ceil(rule.min_density * entries))
+    high = max(low, np.ceil(rule.max_density * entries))
+    return sorted({float(round(low * (high / low) ** (i / (GRID_POINTS - 1)))) for i in range(GRID_POINTS)})
+
+
+@pytest.mark.parametrize("message_bytes", [0.0, 1e3, 1e5, 1e7])
+@pytest.mark.parametrize("distribution", ["normal", "student_t"])
+def test_adaptive_rule_against_sorted_magnitudes(message_bytes, distribution):
+    """The k the rule picks from the bin profile does (almost) as well as the
+    argmax of E(k) / (c0 + c1 k) over the same candidates, E(k) from sorted magnitudes."""
+    rng = np.random.default_rng(7)
+    n = 200_000
+    x = (rng.standard_normal(n) if distribution == "normal" else rng.standard_t(3, n)).astype(np.float32)
+    profile = tf_topk.error_feedback_topk(x, tf.zeros(n), 1, with_profile=True).profile
+    rule = AdaptiveDensity(min_density=1e-4, max_density=0.2, message_bytes=message_bytes,
+                           selection_s_per_entry=0.0)
+    pair_bytes = 24.0
+    chosen = round(float(rule.choose(profile, n, pair_bytes, None)) * n)
+    candidates = grid(n, rule)
+    assert chosen in candidates
+    ratios = {k: exact_gain(x, k) / (rule.fixed_bytes(n) + pair_bytes * k) for k in candidates}
+    best = max(ratios, key=ratios.get)
+    assert ratios[chosen] >= 0.98 * ratios[best], (chosen, best)
+    if message_bytes == 0.0:
+        assert chosen == candidates[0]  # nothing fixed to amortise: the densest entries only
+
+
+def test_adaptive_rule_sends_more_when_a_message_costs_more_and_goes_dense_when_selection_dominates():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(100_000).astype(np.float32)
+    profile = tf_topk.error_feedback_topk(x, tf.zeros(100_000), 1, with_profile=True).profile
+    chosen = [float(AdaptiveDensity(message_bytes=c0, selection_s_per_entry=0.0).choose(profile, 100_000, 8.0, None))
+              for c0 in (1e2, 1e4, 1e6)]
+    assert chosen[0] < chosen[1] < chosen[2] <= 0.1
+    # When a message costs more than all the pairs, sending everything pays best.
+    assert float(AdaptiveDensity(message_bytes=1e6).choose(profile, 100_000, 8.0, 8e5)) == 1.0
+    # A fast link and a slow selection: sending everything (the dense all-reduce) pays best.
+    fast = AdaptiveDensity(bandwidth_bytes_per_s=1e10, selection_s_per_entry=1e-8)
+    assert float(fast.choose(profile, 100_000, 8.0, 4e5)) == 1.0
+    assert float(AdaptiveDensity(bandwidth_bytes_per_s=1e10, selection_s_per_entry=1e-8, dense=False)
+                 .choose(profile, 100_000, 8.0, 4e5)) <= 0.1
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(min_density=0.0), r"min_density must be in \(0, 1\], got 0.0"),
+    (dict(min_density=0.5, max_density=0.1), r"min_density \(0.5\) must not exceed max_density \(0.1\)"),
+    (dict(bandwidth_bytes_per_s=0), r"bandwidth_bytes_per_s must be a finite number > 0, got 0"),
+    (dict(latency_s=-1.0), r"latency_s must be a finite number >= 0, got -1.0"),
+    (dict(message_bytes=float("nan")), r"message_bytes must be a finite number >= 0, got nan"),
+    (dict(replicas=0), r"replicas must be None or an int >= 1, got 0"),
+])
+def test_adaptive_density_refuses_bad_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AdaptiveDensity(**kwargs)
+    with pytest.raises(ValueError, match=r"'adaptive' or a tf_topk.schedule.AdaptiveDensity, got 'fast'"):
+        DensitySchedule("fast")
+
+
+def test_adaptive_density_round_trips_through_keras_config():
+    import keras
+
+    rule = AdaptiveDensity(min_density=1e-3, bandwidth_bytes_per_s=1.25e7, replicas=4)
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=rule)
+    again = tf_topk.TopKOptimizer.from_config(opt.get_config())
+    assert DensitySchedule(again.density).adaptive.get_config() == rule.get_config()
+    assert DensitySchedule(tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density="adaptive").density).adaptive \
+        .get_config() == AdaptiveDensity().get_config()

@@ -225,7 +225,7 @@ class SparseExchange(tf.Module):
         (and momentum correction, whose exchanged sum plain SGD applies).
     """
 
-    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls"}
+    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls", "_adaptive_density"}
 
     def __init__(self, variables, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
                  bucket_bytes=None, error_feedback=True, residuals=None, name="sparse_exchange",
@@ -263,6 +263,14 @@ class SparseExchange(tf.Module):
             0, dtype=tf.int64, trainable=False, name="exchange_calls",
             synchronization=tf.VariableSynchronization.ON_READ,
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) if self._agrees else None)
+        # With an adaptive density: the density this step uses, agreed by all
+        # replicas at the previous step. Not checkpointed: after a restore the
+        # rule starts again from its initial density.
+        self.adaptive = self.schedule.adaptive
+        object.__setattr__(self, "_adaptive_density", tf.Variable(
+            self.adaptive.initial_density, dtype=tf.float64, trainable=False, name="adaptive_density",
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA) if self.adaptive else None)
         # Only static facts about the variables are kept: holding the variables
         # themselves would make them part of this module's checkpoint.
         self._specs = []
@@ -350,7 +358,7 @@ class SparseExchange(tf.Module):
         for bucket in self._buckets:
             members = [p for p in bucket if grads[p] is not None]
             if members:
-                ks = [self.schedule.k(self._specs[p].size, step) for p in members]
+                ks = [self._k(self._specs[p].size, step) for p in members]
                 plans.append((members, ks, *self._bucket_mode(ks, [self._specs[p].size for p in members], replicas)))
         agrees = any(path == "allreduce" and dense is not True for _, _, path, dense in plans)
         leader = self._leader(step, replicas) if agrees else None
@@ -364,16 +372,17 @@ class SparseExchange(tf.Module):
         small = [grads[i] for i in dense_positions]
         non_finite = tf.add_n([_non_finite_count(g) for g in small]
                               + [tf.cast(s.stats[2], tf.float32) for sel in selections for s in sel.pieces])
+        scalars = [non_finite] + ([self._propose_density(plans, selections, replicas)] if self.adaptive else [])
         carrier = self._carrier(plans, small, replicas)
         out = [None] * len(grads)
         carried = None
         if carrier is None:
-            reduced = self.communicator.all_reduce_dense(context, small + [non_finite])
+            reduced = self.communicator.all_reduce_dense(context, small + [tf.stack(scalars)])
             totals["other_bytes"] += ring_all_reduce_bytes(4.0 * (sum(self._specs[i].size for i in dense_positions)
-                                                                  + 1), replicas)
+                                                                  + len(scalars)), replicas)
         # 3. One collective per bucket (two with agreed indices); scatter.
         for index, ((members, ks, path, dense), selection) in enumerate(zip(plans, selections)):
-            carry = _pack(small, non_finite) if index == carrier else None
+            carry = _pack(small, scalars) if index == carrier else None
             summed, summed_carry = self._send_bucket(members, path, dense, selection, carry, context, totals)
             if carry is not None:
                 carried = summed_carry
@@ -382,12 +391,15 @@ class SparseExchange(tf.Module):
             else:
                 self._split_dense(members, summed, out)
         if carried is not None:
-            reduced = _unpack(carried, small)
-        all_finite = tf.equal(reduced[-1], 0.0)
+            reduced = _unpack(carried, small, len(scalars))
+        summed_scalars = reduced[-1]
+        all_finite = tf.equal(summed_scalars[0], 0.0)
         for position, tensor in zip(dense_positions, reduced[:-1]):
             out[position] = self.memory.apply_dense(self._dense_slot[position], tensor, all_finite)
-        # 4. State changes only when every replica's step was finite.
-        self._update_memory(selections, all_finite)
+        # 4. State changes only when every replica's step was finite: the
+        #    memory's, and the density the replicas agreed on for the next step.
+        agreed_density = summed_scalars[1] / replicas if self.adaptive else None
+        self._update_memory(selections, all_finite, agreed_density)
         return ExchangeResult(out, all_finite, self._stats(grads, totals, replicas))
 
     def _check_call(self, grads):
@@ -443,6 +455,34 @@ class SparseExchange(tf.Module):
         pairs = tf.add_n([tf.cast(k, tf.float32) for k in ks])
         return "allreduce", mode_bytes("allreduce", pairs, entries, replicas) > dense_bytes
 
+    @property
+    def adaptive_density(self):
+        """With an adaptive density: the density the next step uses (this
+        replica's copy; every replica holds the same). None otherwise."""
+        return None if self._adaptive_density is None else self._adaptive_density.read_value()
+
+    def _k(self, size, step):
+        """k of a variable of `size` entries this step."""
+        if self.adaptive is None:
+            return self.schedule.k(size, step)
+        k = tf.cast(tf.math.ceil(self._adaptive_density.read_value() * size), tf.int32)
+        return tf.clip_by_value(k, 1, size)
+
+    def _propose_density(self, plans, selections, replicas):
+        """This replica's proposal for the next step's density (float32), by
+        the adaptive rule on the profile of every sparsified variable, with
+        the byte costs of the exchange mode in use."""
+        profile = tf.add_n([piece.profile for selection in selections for piece in selection.pieces])
+        entries = float(sum(selection.size for selection in selections))
+        workers = self.adaptive.replicas or replicas
+        path = "allgather" if any(p == "allgather" for _, _, p, _ in plans) else "allreduce"
+        pair_bytes = mode_bytes(path, 1.0, entries, workers)
+        # Density 1 takes the dense all-reduce where the mode can switch to it
+        # ("auto"), else every pair through the same path.
+        dense_bytes = (mode_bytes("dense", entries, entries, workers) if self.exchange_mode == "auto"
+                       else mode_bytes(path, entries, entries, workers))
+        return tf.cast(self.adaptive.choose(profile, entries, pair_bytes, dense_bytes), tf.float32)
+
     def _split_dense(self, members, summed, out):
         """A bucket's dense sum cut into its variables' gradients."""
         offset = 0
@@ -493,7 +533,7 @@ class SparseExchange(tf.Module):
         compensation = self.memory.compensate(slot, grad)
         fused = isinstance(self.selector, TopKSelector)
         selection = ops.error_feedback_topk(compensation.gradient, compensation.residual, k if fused else 0,
-                                            method=self.method)
+                                            method=self.method, with_profile=self.adaptive is not None)
         if not fused:  # another selector: the op adds, the selector picks
             accumulated = selection.remaining
             values, indices = self.selector.select(accumulated, k)
@@ -579,13 +619,16 @@ class SparseExchange(tf.Module):
             selected.append((tf.where(piece_valid, tf.gather(a, indices), tf.zeros([], a.dtype)), indices))
         return agreed, selected
 
-    def _update_memory(self, selections, all_finite):
-        """The memory's update of every slot, in one branch taken only when
-        every replica's step was finite (nothing is undone otherwise)."""
+    def _update_memory(self, selections, all_finite, agreed_density=None):
+        """The memory's update of every slot (and the adaptive density of the
+        next step), in one branch taken only when every replica's step was
+        finite (nothing is undone otherwise)."""
         def update():
             for selection in selections:
                 for slot, compensation, piece in zip(selection.slots, selection.compensations, selection.pieces):
                     self.memory.update(slot, compensation, piece.remaining, piece.values, piece.indices)
+            if agreed_density is not None:
+                self._adaptive_density.assign(tf.cast(agreed_density, tf.float64))
             return tf.constant(True)
 
         tf.cond(all_finite, update, lambda: tf.constant(False))
@@ -625,19 +668,21 @@ def _taken_out(selection, accumulated, values, indices):
     remaining = tf.tensor_scatter_nd_sub(accumulated, tf.expand_dims(indices, 1), tf.cast(values, accumulated.dtype))
     finite = tf.where(tf.math.is_finite(remaining), remaining, tf.zeros_like(remaining))
     stats = tf.stack([selection.stats[0], tf.cast(tf.reduce_sum(tf.square(finite)), tf.float64), selection.stats[2]])
-    return ops.ErrorFeedbackSelection(values, indices, remaining, stats)
+    return ops.ErrorFeedbackSelection(values, indices, remaining, stats, selection.profile)
 
 
 def _non_finite_count(tensor):
     return tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(tensor)), tf.float32))
 
 
-def _pack(small, non_finite):
-    """The dense-path gradients (float32, flat) and the non-finite count in one buffer."""
-    return tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in small] + [tf.reshape(non_finite, [1])], 0)
+def _pack(small, scalars):
+    """The dense-path gradients (float32, flat) and the scalars (the non-finite
+    count, the density proposal) in one buffer."""
+    return tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in small] + [tf.stack(scalars)], 0)
 
 
-def _unpack(summed, small):
-    """What `_pack` packed, summed: the gradients in their shapes and dtypes, then the count."""
-    pieces = tf.split(summed, [int(g.shape.num_elements()) for g in small] + [1])
-    return [tf.cast(tf.reshape(p, tf.shape(g)), g.dtype) for p, g in zip(pieces, small)] + [pieces[-1][0]]
+def _unpack(summed, small, count):
+    """What `_pack` packed, summed: the gradients in their shapes and dtypes,
+    then the `count` scalars as one vector."""
+    pieces = tf.split(summed, [int(g.shape.num_elements()) for g in small] + [count])
+    return [tf.cast(tf.reshape(p, tf.shape(g)), g.dtype) for p, g in zip(pieces, small)] + [pieces[-1]]

@@ -167,7 +167,7 @@ def approx_topk(x, k, method="gaussian", name=None):
 
 
 ErrorFeedbackSelection = collections.namedtuple("ErrorFeedbackSelection",
-                                                ["values", "indices", "remaining", "stats"])
+                                                ["values", "indices", "remaining", "stats", "profile"])
 ErrorFeedbackSelection.__doc__ = """What `error_feedback_topk` returns.
 
 values, indices: the selection of `approx_topk` on gradient + residual
@@ -177,12 +177,18 @@ remaining: gradient + residual with the selected entries set to 0, flat,
 stats: float64 [3]: sum of squares of the finite entries of gradient +
   residual, the same of `remaining`, and the number of non-finite entries
   of gradient + residual (see ERROR_FEEDBACK_STATS).
+profile: with `with_profile=True`, float64 [2, 2048]: per magnitude bin of
+  the selection (`PROFILE_BINS`, logarithmic, 1/8 octave wide, ascending),
+  the number and the sum of squares of the finite non-zero entries of
+  gradient + residual; else [2, 0].
 """
+
+PROFILE_BINS = 2048
 
 ERROR_FEEDBACK_STATS = ("accumulated_squares", "remaining_squares", "non_finite")
 
 
-def error_feedback_topk(gradient, residual, k, method="gaussian", name=None):
+def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=False, name=None):
     """Error feedback and top-k selection in one pass over the gradient.
 
     Computes accumulated = gradient + residual (in the residual's dtype), the
@@ -203,10 +209,13 @@ def error_feedback_topk(gradient, residual, k, method="gaussian", name=None):
         or bfloat16 gradient, float64 for a float64 one.
       k: int or int32 scalar tensor, 0 <= k <= size(gradient).
       method: "gaussian" (default) or "exact", as in `approx_topk`.
+      with_profile: also return the magnitude profile (count and energy per
+        bin) of gradient + residual, from the same pass: what an adaptive
+        choice of k needs (`tf_topk.schedule.AdaptiveDensity`).
       name: optional op name.
 
     Returns:
-      An ErrorFeedbackSelection (values, indices, remaining, stats).
+      An ErrorFeedbackSelection (values, indices, remaining, stats, profile).
 
     Example:
       >>> g = tf.constant([0.5, -1.0, 0.25, 0.0])
@@ -235,4 +244,5 @@ def error_feedback_topk(gradient, residual, k, method="gaussian", name=None):
         _check_size(size, "gradient")
         k = _check_k(k, size, "gradient")
         _refuse_xla()
-        return ErrorFeedbackSelection(*_error_feedback_topk_raw(gradient, residual, k, method=method))
+        return ErrorFeedbackSelection(*_error_feedback_topk_raw(gradient, residual, k, method=method,
+                                                                with_profile=bool(with_profile)))

@@ -13,6 +13,8 @@ at least 1. A schedule is one of:
     k to match the constant case exactly).
 With a list or a callable, k is a tensor that changes with the step.
 `dgc_warmup` builds DGC's warm-up list from the epoch length.
+`AdaptiveDensity` (or density="adaptive") chooses the density every step from
+the gradient itself: the most improvement per byte sent.
 """
 
 import math
@@ -64,8 +66,12 @@ class DensitySchedule:
         self.constant = None
         self.steps = None
         self.callable = None
-        if isinstance(density, DensitySchedule):
+        self.adaptive = adaptive_from(density)
+        if self.adaptive is not None:
+            pass  # the exchange keeps the density it chose (SparseExchange.adaptive_density)
+        elif isinstance(density, DensitySchedule):
             self.constant, self.steps, self.callable = density.constant, density.steps, density.callable
+            self.adaptive = density.adaptive
         elif isinstance(density, (int, float)) and not isinstance(density, bool):
             self.constant = _check_density(density, "density")
         elif isinstance(density, (list, tuple)):
@@ -102,6 +108,8 @@ class DensitySchedule:
 
     def max_density(self):
         """Largest density the schedule can give (None for a callable)."""
+        if self.adaptive is not None:
+            return 1.0 if self.adaptive.dense else self.adaptive.max_density
         if self.constant is not None:
             return self.constant
         if self.steps is not None:
@@ -136,8 +144,158 @@ class DensitySchedule:
         return tf.clip_by_value(k, 1, size)
 
     def get_config(self):
+        if self.adaptive is not None:
+            return {"adaptive": self.adaptive.get_config()}
         if self.constant is not None:
             return self.constant
         if self.steps is not None:
             return [list(pair) for pair in self.steps]
         raise ValueError("a callable density schedule cannot be serialized; use a float or a list of pairs")
+
+
+# -- adaptive density -------------------------------------------------------------------------
+
+# The default link model: what one more message costs (latency) and what a byte
+# costs (bandwidth), for a 1 Gbit/s Ethernet link between workers.
+DEFAULT_LATENCY_S = 5e-4
+DEFAULT_BANDWIDTH = 1.25e8  # bytes per second
+# Compute the sparse path spends per entry (the fused selection and what goes
+# with it), as `python -m tf_topk.bench overhead` measures it on a 2-core CPU;
+# only the choice between sparse and dense depends on it.
+DEFAULT_SELECTION_S_PER_ENTRY = 1.2e-9
+# Candidate k values the rule compares, geometrically spaced over its bounds.
+GRID_POINTS = 64
+
+
+def _check_positive(value, name, allow_zero=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or \
+            value < 0 or (value == 0 and not allow_zero) or value == float("inf"):
+        raise ValueError(f"{name} must be a finite number {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    return float(value)
+
+
+class AdaptiveDensity:
+    """k chosen every step from the gradient: the most improvement per byte sent.
+
+    The rule of Khirirat, Magnusson, Aytekin and Johansson ("Communication
+    Efficient Sparsification for Large Scale Machine Learning", 2020) for
+    magnitude sparsification: a step that sends the k largest entries of the
+    accumulated gradient improves the objective in proportion to their energy
+    E(k) = ||top_k(acc)||^2, and costs C(k) = c0 + c1 * k bytes, so
+
+        k_t = argmax over k in [min_density * n, max_density * n] of E(k) / C(k)
+
+    with c1 the bytes a worker sends per (value, index) pair in the exchange
+    mode in use ((P-1) * 8 for all_gather), and c0 the fixed cost of a step's
+    message plus the compute the sparse path spends, in bytes of the link:
+    `message_bytes` (default latency_s * bandwidth) + selection_s_per_entry *
+    n * bandwidth. The dense end is part of the rule: sending everything
+    (density 1, which flushes the residuals) costs what that takes in the
+    exchange mode (a dense all-reduce with exchange_mode="auto") and brings
+    the whole energy; the rule takes it when its ratio is the best.
+
+    E(k) comes at no extra pass from the fused selection's magnitude profile
+    (count and energy per 1/8-octave bin, `tf_topk.error_feedback_topk(...,
+    with_profile=True)`), interpolated inside a bin, over all sparsified
+    variables. Every replica proposes a density from its own gradient; the
+    proposals travel in the step's collective (one float) and their mean is
+    the density of the NEXT step on every replica, so replicas always agree
+    and no collective is added. The first step uses `initial_density`.
+
+    Args:
+      min_density, max_density: bounds of the sparse choice (0 < min <= max <= 1).
+      message_bytes: c0 in bytes; default latency_s * bandwidth_bytes_per_s.
+      latency_s, bandwidth_bytes_per_s: the link model (default 0.5 ms, 1 Gbit/s).
+      selection_s_per_entry: compute of the sparse path per entry, in seconds.
+      dense: whether the rule may choose to send everything.
+      replicas: the number of workers the byte costs assume; default the
+        replicas in sync (set it to study a cluster from one process).
+      initial_density: the first step's density (default max_density).
+
+    Example:
+      >>> opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density="adaptive")
+      >>> opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), exchange_mode="auto",
+      ...     density=tf_topk.schedule.AdaptiveDensity(bandwidth_bytes_per_s=1.25e7))  # 100 Mbit/s
+    """
+
+    def __init__(self, min_density=1e-4, max_density=0.1, message_bytes=None, latency_s=DEFAULT_LATENCY_S,
+                 bandwidth_bytes_per_s=DEFAULT_BANDWIDTH, selection_s_per_entry=DEFAULT_SELECTION_S_PER_ENTRY,
+                 dense=True, replicas=None, initial_density=None):
+        self.min_density = _check_density(min_density, "min_density")
+        self.max_density = _check_density(max_density, "max_density")
+        if self.min_density > self.max_density:
+            raise ValueError(f"min_density ({min_density}) must not exceed max_density ({max_density})")
+        self.latency_s = _check_positive(latency_s, "latency_s", allow_zero=True)
+        self.bandwidth_bytes_per_s = _check_positive(bandwidth_bytes_per_s, "bandwidth_bytes_per_s")
+        self.message_bytes = (self.latency_s * self.bandwidth_bytes_per_s if message_bytes is None
+                              else _check_positive(message_bytes, "message_bytes", allow_zero=True))
+        self.selection_s_per_entry = _check_positive(selection_s_per_entry, "selection_s_per_entry",
+                                                     allow_zero=True)
+        self.dense = bool(dense)
+        if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
+            raise ValueError(f"replicas must be None or an int >= 1, got {replicas!r}")
+        self.replicas = replicas
+        self.initial_density = (self.max_density if initial_density is None
+                                else _check_density(initial_density, "initial_density"))
+        self._explicit_message_bytes = message_bytes is not None
+
+    def fixed_bytes(self, entries):
+        """c0: the message's fixed cost and the sparse path's compute, in bytes."""
+        return self.message_bytes + self.selection_s_per_entry * entries * self.bandwidth_bytes_per_s
+
+    def choose(self, profile, entries, pair_bytes, dense_bytes):
+        """The density the rule picks (float64 scalar tensor; 1.0: dense).
+
+        profile: float64 [2, bins]: count and energy per ascending magnitude
+        bin of the accumulated gradients; entries: n, their number;
+        pair_bytes: c1; dense_bytes: what sending everything costs (a float,
+        or None when the dense end is off).
+        """
+        profile = tf.cast(profile, tf.float64)
+        counts, energy = tf.reverse(profile[0], [0]), tf.reverse(profile[1], [0])  # largest bins first
+        through_k, through_e = tf.cumsum(counts), tf.cumsum(energy)
+        above_k, above_e = through_k - counts, through_e - energy
+        low = max(1.0, math.ceil(self.min_density * entries))
+        high = max(low, math.ceil(self.max_density * entries))
+        grid = tf.constant(sorted({float(round(low * (high / low) ** (i / (GRID_POINTS - 1))))
+                                   for i in range(GRID_POINTS)}), tf.float64)
+        # E(k): the bins above k's bin, and k's share of its bin (linear inside it).
+        bin_of_k = tf.minimum(tf.searchsorted(through_k, grid, side="left"), tf.size(counts) - 1)
+        inside = tf.clip_by_value((grid - tf.gather(above_k, bin_of_k)) / tf.maximum(tf.gather(counts, bin_of_k), 1.0),
+                                  0.0, 1.0)
+        gain = tf.gather(above_e, bin_of_k) + inside * tf.gather(energy, bin_of_k)
+        fixed = self.fixed_bytes(entries)
+        ratio = gain / (fixed + pair_bytes * grid)
+        best = tf.argmax(ratio)
+        density = tf.gather(grid, best) / float(entries)
+        if dense_bytes is None or not self.dense:
+            return density
+        dense_ratio = through_e[-1] / (self.message_bytes + float(dense_bytes))
+        return tf.where(dense_ratio > tf.gather(ratio, best), tf.constant(1.0, tf.float64), density)
+
+    def get_config(self):
+        config = {"min_density": self.min_density, "max_density": self.max_density,
+                  "latency_s": self.latency_s, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+                  "selection_s_per_entry": self.selection_s_per_entry, "dense": self.dense,
+                  "replicas": self.replicas, "initial_density": self.initial_density}
+        if self._explicit_message_bytes:
+            config["message_bytes"] = self.message_bytes
+        return config
+
+    def __repr__(self):
+        return f"AdaptiveDensity({', '.join(f'{k}={v!r}' for k, v in self.get_config().items())})"
+
+
+def adaptive_from(density):
+    """The AdaptiveDensity `density` asks for ("adaptive", an AdaptiveDensity,
+    or its config as {"adaptive": {...}}), or None for a fixed or scheduled one."""
+    if isinstance(density, AdaptiveDensity):
+        return density
+    if isinstance(density, str):
+        if density != "adaptive":
+            raise ValueError(f"density must be a float in (0, 1], a list of (step, density) pairs, a callable, "
+                             f"'adaptive' or a tf_topk.schedule.AdaptiveDensity, got {density!r}")
+        return AdaptiveDensity()
+    if isinstance(density, dict) and set(density) == {"adaptive"}:
+        return AdaptiveDensity(**density["adaptive"])
+    return None

@@ -9,9 +9,10 @@
 // default stream). Every select call returns a cudaError_t as int (0: ok).
 //
 // The fused error-feedback selection (cc/kernels/error_feedback.cuh) has its
-// own entry points (tf_topk_error_feedback_*) and a self-contained check with
-// a host reference and timings (tf_topk_error_feedback_check, no PyTorch
-// needed), which the same file builds as a program:
+// own entry points (tf_topk_error_feedback_*, with its optional magnitude
+// profile) and a self-contained check with a host reference and timings
+// (tf_topk_error_feedback_check, no PyTorch needed), which the same file
+// builds as a program:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DTF_TOPK_HARNESS_MAIN benchmarks/gpu/harness.cu -o tf_topk_harness
 //   ./tf_topk_harness [--no-timing]    # exit status 0: every check passed
@@ -50,7 +51,8 @@ int Select(const void* x, long long n, long long k, int method, void* values,
 template <typename T>
 int ErrorFeedback(const void* gradient, const void* residual, long long n,
                   long long k, int method, void* values, void* indices,
-                  void* remaining, void* stats, void* scratch, void* stream) {
+                  void* remaining, void* stats, void* profile, void* scratch,
+                  void* stream) {
   if (method != static_cast<int>(tf_topk::Method::kGaussian) &&
       method != static_cast<int>(tf_topk::Method::kExact)) {
     return static_cast<int>(cudaErrorInvalidValue);
@@ -60,7 +62,8 @@ int ErrorFeedback(const void* gradient, const void* residual, long long n,
       static_cast<int64_t>(n), static_cast<int64_t>(k),
       static_cast<tf_topk::Method>(method), static_cast<float*>(values),
       static_cast<int32_t*>(indices), static_cast<float*>(remaining),
-      static_cast<double*>(stats), scratch, static_cast<cudaStream_t>(stream)));
+      static_cast<double*>(stats), static_cast<double*>(profile), scratch,
+      static_cast<cudaStream_t>(stream)));
 }
 
 // The gradient's element type, as the tf_topk_error_feedback_* suffixes.
@@ -69,18 +72,20 @@ enum Dtype : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 int ErrorFeedbackAnyDtype(int dtype, const void* gradient, const void* residual,
                           long long n, long long k, int method, void* values,
                           void* indices, void* remaining, void* stats,
-                          void* scratch, void* stream) {
+                          void* profile, void* scratch, void* stream) {
   switch (dtype) {
     case kF32:
       return ErrorFeedback<float>(gradient, residual, n, k, method, values,
-                                  indices, remaining, stats, scratch, stream);
+                                  indices, remaining, stats, profile, scratch,
+                                  stream);
     case kF16:
       return ErrorFeedback<__half>(gradient, residual, n, k, method, values,
-                                   indices, remaining, stats, scratch, stream);
+                                   indices, remaining, stats, profile, scratch,
+                                   stream);
     case kBF16:
       return ErrorFeedback<__nv_bfloat16>(gradient, residual, n, k, method,
                                           values, indices, remaining, stats,
-                                          scratch, stream);
+                                          profile, scratch, stream);
     default:
       return static_cast<int>(cudaErrorInvalidValue);
   }
@@ -106,9 +111,15 @@ namespace {
 //              NaN for NaN);
 //   stats      double sums on the host; relative 1e-4 (stats[1], a
 //              difference of sums the size of stats[0], relative to at
-//              least 1% of stats[0]); the non-finite count exactly.
-// Then, with timing, one line per density: the fused op (float32 and half
-// gradient) against LaunchApproxTopK alone and a plain copy pass, n = 25M.
+//              least 1% of stats[0]); the non-finite count exactly;
+//   profile    (the cases marked so; the buffer is filled with NaN first,
+//              so the launcher's zeroing is checked too) per magnitude bin,
+//              the count of the qualifying (finite, non-zero) accumulated
+//              entries exactly and their sum of squares relative 1e-4,
+//              against double sums on the host.
+// Then, with timing, two lines per density and method: the fused op
+// (float32 and half gradient) against LaunchApproxTopK alone and a plain
+// copy pass, n = 25M; and the fused op with the profile on, against without.
 namespace check {
 
 constexpr long long kTimingN = 25000000;
@@ -124,6 +135,7 @@ enum Special : int {
   kPlain = 0,       // N(0, 1) gradient + N(0, 0.5^2) residual
   kNonFinite = 1,   // plus NaN, +-Inf and exact zeros sprinkled in
   kMostlyZero = 2,  // three accumulated entries in four exactly 0: < k qualify
+  kWideRange = 3,   // float32 only: each entry scaled by 2^u, u in [-149, 40]
 };
 
 struct Case {
@@ -134,17 +146,20 @@ struct Case {
   bool in_place;  // remaining is the residual buffer
   int offset;     // entries every buffer starts past an aligned address
   int special;
+  bool profile;   // ask for the profile, and check it
 };
 
 std::string Describe(const Case& c) {
   char text[200];
-  snprintf(text, sizeof(text), "n=%lld k=%lld %s gradient, %s%s%s%s", c.n,
+  snprintf(text, sizeof(text), "n=%lld k=%lld %s gradient, %s%s%s%s%s", c.n,
            c.k, DtypeName(c.dtype),
            c.method == tf_topk::Method::kExact ? "exact" : "gaussian",
            c.in_place ? ", in place" : "", c.offset != 0 ? ", misaligned" : "",
            c.special == kNonFinite    ? ", non-finite entries"
            : c.special == kMostlyZero ? ", mostly zero"
-                                      : "");
+           : c.special == kWideRange  ? ", wide range"
+                                      : "",
+           c.profile ? ", profile" : "");
   return text;
 }
 
@@ -215,6 +230,9 @@ float RoundTo(int dtype, float x, uint16_t* bits) {
 Inputs MakeInputs(const Case& c, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
+  // kWideRange: subnormals to 2^40 (squares stay far from float32's limits,
+  // so the float partial sums of the stats stay exact enough).
+  std::uniform_int_distribution<int> exponent(-149, 40);
   const float kNonFiniteValues[] = {NAN, INFINITY, -INFINITY};
   const size_t n = static_cast<size_t>(c.n);
   Inputs in;
@@ -226,6 +244,11 @@ Inputs MakeInputs(const Case& c, unsigned seed) {
   for (size_t i = 0; i < n; ++i) {
     float g = normal(rng);
     float r = 0.5f * normal(rng);
+    if (c.special == kWideRange) {
+      const int u = exponent(rng);
+      g = std::ldexp(g, u);
+      r = std::ldexp(r, u);
+    }
     if (c.special == kNonFinite && i % 9973 == 17) {
       g = kNonFiniteValues[(i / 9973) % 3];
     }
@@ -249,6 +272,7 @@ struct Outputs {
   std::vector<int32_t> indices;
   std::vector<float> remaining;
   double stats[tf_topk::cuda::kNumStats] = {};
+  std::vector<double> profile;  // kProfileRows * kNumBins, when asked for
   std::vector<float> alone_values;
   std::vector<int32_t> alone_indices;
 };
@@ -257,13 +281,22 @@ bool RunOnDevice(const Case& c, const Inputs& in, Outputs* out) {
   const size_t n = static_cast<size_t>(c.n), k = static_cast<size_t>(c.k);
   const size_t off = static_cast<size_t>(c.offset);
   const size_t gradient_bytes = DtypeBytes(c.dtype);
-  DeviceBuffer gradient, residual, remaining, values, indices, stats, scratch;
+  constexpr size_t kProfileEntries =
+      static_cast<size_t>(tf_topk::cuda::kProfileRows) * tf_topk::kNumBins;
+  DeviceBuffer gradient, residual, remaining, values, indices, stats, profile,
+      scratch;
   TF_TOPK_CHECK_CUDA(gradient.Allocate((n + off) * gradient_bytes));
   TF_TOPK_CHECK_CUDA(residual.Allocate((n + off) * sizeof(float)));
   if (!c.in_place) TF_TOPK_CHECK_CUDA(remaining.Allocate((n + off) * sizeof(float)));
   TF_TOPK_CHECK_CUDA(values.Allocate(k * sizeof(float)));
   TF_TOPK_CHECK_CUDA(indices.Allocate(k * sizeof(int32_t)));
   TF_TOPK_CHECK_CUDA(stats.Allocate(sizeof(out->stats)));
+  if (c.profile) {
+    TF_TOPK_CHECK_CUDA(profile.Allocate(kProfileEntries * sizeof(double)));
+    // All-ones bytes: NaN doubles, which the launcher must clear.
+    TF_TOPK_CHECK_CUDA(
+        cudaMemset(profile.ptr, 0xff, kProfileEntries * sizeof(double)));
+  }
   TF_TOPK_CHECK_CUDA(
       scratch.Allocate(tf_topk::cuda::ErrorFeedbackScratchBytes(c.n, c.k)));
   const void* host_gradient = c.dtype == kF32
@@ -279,7 +312,7 @@ bool RunOnDevice(const Case& c, const Inputs& in, Outputs* out) {
   TF_TOPK_CHECK_CUDA(static_cast<cudaError_t>(ErrorFeedbackAnyDtype(
       c.dtype, device_gradient, device_residual, c.n, c.k,
       static_cast<int>(c.method), values.ptr, indices.ptr, device_remaining,
-      stats.ptr, scratch.ptr, nullptr)));
+      stats.ptr, profile.ptr, scratch.ptr, nullptr)));
   TF_TOPK_CHECK_CUDA(cudaDeviceSynchronize());
   out->values.resize(k);
   out->indices.resize(k);
@@ -292,6 +325,12 @@ bool RunOnDevice(const Case& c, const Inputs& in, Outputs* out) {
                                 n * sizeof(float), cudaMemcpyDeviceToHost));
   TF_TOPK_CHECK_CUDA(cudaMemcpy(out->stats, stats.ptr, sizeof(out->stats),
                                 cudaMemcpyDeviceToHost));
+  if (c.profile) {
+    out->profile.resize(kProfileEntries);
+    TF_TOPK_CHECK_CUDA(cudaMemcpy(out->profile.data(), profile.ptr,
+                                  kProfileEntries * sizeof(double),
+                                  cudaMemcpyDeviceToHost));
+  }
   if (k == 0) return true;
   // The selection alone, on the accumulated buffer the host computed.
   DeviceBuffer accumulated;
@@ -478,6 +517,49 @@ int CheckStats(const Case& c, const Inputs& in, const Reference& ref,
   return failures;
 }
 
+// The profile against double sums on the host: counts exactly, sums of
+// squares relative 1e-4, per bin; *bins = the non-empty bins.
+int CheckProfile(const Case& c, const Inputs& in, const Outputs& out,
+                 int* bins) {
+  *bins = 0;
+  if (!c.profile) return 0;
+  constexpr int kBins = tf_topk::kNumBins;
+  std::vector<double> counts(kBins, 0.0), squares(kBins, 0.0);
+  for (const float a : in.accumulated) {
+    const uint32_t bits = tf_topk::MagnitudeBits(a);
+    if (!tf_topk::Qualifies(bits)) continue;
+    const int bin = tf_topk::BinOf(bits);
+    counts[bin] += 1.0;
+    squares[bin] += static_cast<double>(a) * a;
+  }
+  int wrong_counts = 0, wrong_squares = 0, first_count = -1, first_square = -1;
+  for (int bin = 0; bin < kBins; ++bin) {
+    const double count = out.profile[bin];
+    const double square = out.profile[kBins + bin];
+    *bins += counts[bin] != 0.0 ? 1 : 0;
+    if (count != counts[bin]) {  // NaN: never cleared
+      if (first_count < 0) first_count = bin;
+      ++wrong_counts;
+    }
+    if (!(Close(square, squares[bin], squares[bin]) || square == squares[bin])) {
+      if (first_square < 0) first_square = bin;
+      ++wrong_squares;
+    }
+  }
+  int failures = 0;
+  if (wrong_counts != 0) {
+    failures += Fail(c, "profile counts differ in %d bins, first bin %d: "
+                     "%.17g, want %.0f", wrong_counts, first_count,
+                     out.profile[first_count], counts[first_count]);
+  }
+  if (wrong_squares != 0) {
+    failures += Fail(c, "profile sums of squares differ in %d bins, first bin "
+                     "%d: %.9g, want %.9g", wrong_squares, first_square,
+                     out.profile[kBins + first_square], squares[first_square]);
+  }
+  return failures;
+}
+
 int CheckCase(const Case& c, unsigned seed) {
   const Inputs in = MakeInputs(c, seed);
   Outputs out;
@@ -490,11 +572,18 @@ int CheckCase(const Case& c, unsigned seed) {
   failures += CompareWithSelectionAlone(c, in, ref, out, selected, &differences);
   failures += CheckRemaining(c, in, out, selected);
   failures += CheckStats(c, in, ref, out, selected);
+  int profile_bins = 0;
+  failures += CheckProfile(c, in, out, &profile_bins);
   if (failures == 0) {
+    char profile_text[64] = "";
+    if (c.profile) {
+      snprintf(profile_text, sizeof(profile_text), "; profile: %d bins",
+               profile_bins);
+    }
     printf("ok   %s: %lld filled, %lld tied entries chosen differently than "
-           "LaunchApproxTopK alone; stats %.6g %.6g %.0f\n",
+           "LaunchApproxTopK alone; stats %.6g %.6g %.0f%s\n",
            Describe(c).c_str(), ref.filled, differences, out.stats[0],
-           out.stats[1], out.stats[2]);
+           out.stats[1], out.stats[2], profile_text);
   }
   return failures;
 }
@@ -525,18 +614,20 @@ float MeanMs(Fn fn, int reps) {
   return ms;
 }
 
-// One line per density and method at n = kTimingN: the fused op with a
+// Two lines per density and method at n = kTimingN: the fused op with a
 // float32 and a half gradient, LaunchApproxTopK alone on the accumulated
 // buffer, and a plain copy pass (cudaMemcpyAsync of n floats: 8 bytes an
 // entry, where the fused op's accumulate pass moves 12, or 10 with a half
-// gradient).
+// gradient); then the fused op with the profile on (both gradients) and what
+// the profile adds.
 bool TimeErrorFeedback() {
   using tf_topk::cuda::LaunchApproxTopK;
   using tf_topk::cuda::LaunchErrorFeedbackTopK;
   const long long n = kTimingN;
   const size_t bytes = static_cast<size_t>(n) * sizeof(float);
   // A half gradient; the float32 runs use its values as float.
-  const Case shape{n, 0, kF16, tf_topk::Method::kGaussian, false, 0, kPlain};
+  const Case shape{n, 0, kF16, tf_topk::Method::kGaussian, false, 0, kPlain,
+                   false};
   const Inputs in = MakeInputs(shape, 12345u);
   DeviceBuffer gradient32, gradient16, residual, remaining, accumulated, copy;
   TF_TOPK_CHECK_CUDA(gradient32.Allocate(bytes));
@@ -556,25 +647,28 @@ bool TimeErrorFeedback() {
   constexpr int kReps = 20;
   for (const double density : {0.01, 0.001}) {
     const long long k = std::llround(density * static_cast<double>(n));
-    DeviceBuffer values, indices, stats, scratch;
+    DeviceBuffer values, indices, stats, profile, scratch;
     TF_TOPK_CHECK_CUDA(values.Allocate(k * sizeof(float)));
     TF_TOPK_CHECK_CUDA(indices.Allocate(k * sizeof(int32_t)));
     TF_TOPK_CHECK_CUDA(stats.Allocate(tf_topk::cuda::kNumStats * sizeof(double)));
+    TF_TOPK_CHECK_CUDA(profile.Allocate(tf_topk::cuda::kProfileRows *
+                                        tf_topk::kNumBins * sizeof(double)));
     TF_TOPK_CHECK_CUDA(
         scratch.Allocate(tf_topk::cuda::ErrorFeedbackScratchBytes(n, k)));
     for (const tf_topk::Method method :
          {tf_topk::Method::kGaussian, tf_topk::Method::kExact}) {
-      auto fused32 = [&] {
+      // with_profile: the profile's buffer, else nullptr.
+      auto fused32 = [&](double* with_profile) {
         return LaunchErrorFeedbackTopK<float>(
             gradient32.At<float>(), residual.At<float>(), n, k, method,
             values.At<float>(), indices.At<int32_t>(), remaining.At<float>(),
-            stats.At<double>(), scratch.ptr, nullptr);
+            stats.At<double>(), with_profile, scratch.ptr, nullptr);
       };
-      auto fused16 = [&] {
+      auto fused16 = [&](double* with_profile) {
         return LaunchErrorFeedbackTopK<__half>(
             gradient16.At<__half>(), residual.At<float>(), n, k, method,
             values.At<float>(), indices.At<int32_t>(), remaining.At<float>(),
-            stats.At<double>(), scratch.ptr, nullptr);
+            stats.At<double>(), with_profile, scratch.ptr, nullptr);
       };
       auto alone = [&] {
         return LaunchApproxTopK<float>(accumulated.At<float>(), n, k, method,
@@ -585,12 +679,15 @@ bool TimeErrorFeedback() {
         return cudaMemcpyAsync(copy.ptr, accumulated.ptr, bytes,
                                cudaMemcpyDeviceToDevice, nullptr);
       };
-      const float fused32_ms = MeanMs(fused32, kReps);
-      const float fused16_ms = MeanMs(fused16, kReps);
+      double* const on = profile.At<double>();
+      const float fused32_ms = MeanMs([&] { return fused32(nullptr); }, kReps);
+      const float fused16_ms = MeanMs([&] { return fused16(nullptr); }, kReps);
       const float alone_ms = MeanMs(alone, kReps);
       const float copy_ms = MeanMs(copy_pass, kReps);
+      const float profile32_ms = MeanMs([&] { return fused32(on); }, kReps);
+      const float profile16_ms = MeanMs([&] { return fused16(on); }, kReps);
       if (fused32_ms < 0.0f || fused16_ms < 0.0f || alone_ms < 0.0f ||
-          copy_ms < 0.0f) {
+          copy_ms < 0.0f || profile32_ms < 0.0f || profile16_ms < 0.0f) {
         printf("FAIL timing n=%lld k=%lld: a launch failed: %s\n", n, k,
                cudaGetErrorString(cudaGetLastError()));
         return false;
@@ -604,6 +701,13 @@ bool TimeErrorFeedback() {
              fused32_ms, fused16_ms, alone_ms, copy_ms,
              2.0 * bytes / (copy_ms * 1e6), fused32_ms - alone_ms,
              (fused32_ms - alone_ms) / copy_ms);
+      printf("timing n=%lld k=%lld (density %g, %s): fused with profile "
+             "%.3f ms (half gradient %.3f ms); the profile adds %.3f ms "
+             "(half gradient %.3f ms) = %.2f copy passes\n",
+             n, k, density,
+             method == tf_topk::Method::kExact ? "exact" : "gaussian",
+             profile32_ms, profile16_ms, profile32_ms - fused32_ms,
+             profile16_ms - fused16_ms, (profile32_ms - fused32_ms) / copy_ms);
     }
   }
   return true;
@@ -615,22 +719,24 @@ int RunErrorFeedbackCheck(bool timing) {
   using tf_topk::Method;
   const Method kG = Method::kGaussian, kE = Method::kExact;
   const long long kBig = kTimingN;
-  // n, k, gradient dtype, method, in place, offset, special.
+  constexpr bool kP = true;  // with the profile
+  // n, k, gradient dtype, method, in place, offset, special, profile.
   const Case cases[] = {
-      {1000, 10, kF32, kG, false, 0, kPlain},
-      {1000, 10, kF32, kE, false, 0, kNonFinite},
-      {4096, 4096, kF32, kE, false, 0, kPlain},        // k = n
-      {5000, 0, kF32, kG, false, 0, kNonFinite},       // k = 0
-      {2000, 1000, kF32, kG, false, 0, kMostlyZero},   // fewer than k qualify
-      {100001, 100, kF32, kG, false, 1, kNonFinite},   // scalar accumulate
-      {100001, 100, kF16, kE, true, 1, kPlain},        // scalar, 16-bit
-      {1000003, 1000, kF32, kE, true, 0, kNonFinite},  // prefilter, odd tail
-      {1000003, 10000, kF16, kG, false, 0, kNonFinite},
-      {1000003, 10000, kBF16, kE, true, 0, kPlain},
-      {kBig, kBig / 100, kF32, kG, false, 0, kPlain},
-      {kBig, kBig / 1000, kF32, kG, true, 0, kNonFinite},
-      {kBig, kBig / 100, kF16, kE, false, 0, kPlain},
-      {kBig, kBig / 1000, kBF16, kG, false, 0, kPlain},
+      {1000, 10, kF32, kG, false, 0, kPlain, false},
+      {1000, 10, kF32, kE, false, 0, kNonFinite, kP},
+      {4096, 4096, kF32, kE, false, 0, kPlain, false},        // k = n
+      {5000, 0, kF32, kG, false, 0, kNonFinite, kP},          // k = 0
+      {2000, 1000, kF32, kG, false, 0, kMostlyZero, kP},      // < k qualify
+      {100001, 100, kF32, kG, false, 1, kNonFinite, false},   // scalar accumulate
+      {100001, 100, kF16, kE, true, 1, kPlain, kP},           // scalar, 16-bit
+      {100000, 1000, kF32, kE, false, 0, kWideRange, kP},     // subnormals
+      {1000003, 1000, kF32, kE, true, 0, kNonFinite, false},  // prefilter, odd tail
+      {1000003, 10000, kF16, kG, false, 0, kNonFinite, kP},
+      {1000003, 10000, kBF16, kE, true, 0, kPlain, false},
+      {kBig, kBig / 100, kF32, kG, false, 0, kPlain, false},
+      {kBig, kBig / 1000, kF32, kG, true, 0, kNonFinite, kP},
+      {kBig, kBig / 100, kF16, kE, false, 0, kPlain, false},
+      {kBig, kBig / 1000, kBF16, kG, false, 0, kPlain, false},
   };
   int failures = 0;
   unsigned seed = 1;
@@ -715,7 +821,9 @@ int tf_topk_read_state(const void* scratch, long long* out, void* stream) {
 
 // The fused error-feedback selection (error_feedback.cuh): the gradient in
 // the suffix's dtype; residual, values and remaining float32 (remaining may
-// be the residual); stats 3 doubles, in device memory.
+// be the residual); stats 3 doubles; profile null (none) or 2 * 2048
+// doubles (per magnitude bin: the counts, then the sums of squares of the
+// finite, non-zero accumulated entries); all in device memory.
 size_t tf_topk_error_feedback_scratch_bytes(long long n, long long k) {
   return tf_topk::cuda::ErrorFeedbackScratchBytes(static_cast<int64_t>(n),
                                                   static_cast<int64_t>(k));
@@ -724,25 +832,31 @@ size_t tf_topk_error_feedback_scratch_bytes(long long n, long long k) {
 int tf_topk_error_feedback_f32(const void* gradient, const void* residual,
                                long long n, long long k, int method,
                                void* values, void* indices, void* remaining,
-                               void* stats, void* scratch, void* stream) {
+                               void* stats, void* profile, void* scratch,
+                               void* stream) {
   return ErrorFeedbackAnyDtype(kF32, gradient, residual, n, k, method, values,
-                               indices, remaining, stats, scratch, stream);
+                               indices, remaining, stats, profile, scratch,
+                               stream);
 }
 
 int tf_topk_error_feedback_f16(const void* gradient, const void* residual,
                                long long n, long long k, int method,
                                void* values, void* indices, void* remaining,
-                               void* stats, void* scratch, void* stream) {
+                               void* stats, void* profile, void* scratch,
+                               void* stream) {
   return ErrorFeedbackAnyDtype(kF16, gradient, residual, n, k, method, values,
-                               indices, remaining, stats, scratch, stream);
+                               indices, remaining, stats, profile, scratch,
+                               stream);
 }
 
 int tf_topk_error_feedback_bf16(const void* gradient, const void* residual,
                                 long long n, long long k, int method,
                                 void* values, void* indices, void* remaining,
-                                void* stats, void* scratch, void* stream) {
+                                void* stats, void* profile, void* scratch,
+                                void* stream) {
   return ErrorFeedbackAnyDtype(kBF16, gradient, residual, n, k, method, values,
-                               indices, remaining, stats, scratch, stream);
+                               indices, remaining, stats, profile, scratch,
+                               stream);
 }
 
 // The self-contained check of the fused op (host reference, no PyTorch; see

@@ -155,16 +155,34 @@ void AccumulateChunk<float, float>(const float* gradient, const float* residual,
 template <typename R>
 struct PassResult {
   std::vector<BlockSums> sums;
+  std::vector<std::vector<double>> profiles;  // per block: counts, then energies
   std::vector<std::vector<cpu::Candidate<R>>> candidates;
   bool prefiltered = false;  // every block's candidates are complete
 };
 
+// Adds the count and sum of squares of the finite, non-zero entries of
+// x[begin, end) to their magnitude bins (profile: counts, then energies).
+template <typename R>
+void ProfileChunk(const R* x, int64_t begin, int64_t end, double* profile) {
+  for (int64_t i = begin; i < end; ++i) {
+    const uint32_t key = cpu::KeyOf(x[i]);
+    if (!Qualifies(key)) continue;
+    const int bin = BinOf(key);
+    profile[bin] += 1.0;
+    profile[kNumBins + bin] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  }
+}
+
 template <typename T, typename R>
 PassResult<R> AccumulateAndPrefilter(const cpu::Blocks& blocks,
                                      const T* gradient, const R* residual,
-                                     uint32_t low_key, R* remaining) {
+                                     uint32_t low_key, bool with_profile,
+                                     R* remaining) {
   PassResult<R> result;
   result.sums.resize(blocks.count());
+  if (with_profile) {
+    result.profiles.assign(blocks.count(), std::vector<double>(kProfileRows * kNumBins, 0.0));
+  }
   result.candidates.resize(blocks.count());
   std::vector<char> ok(blocks.count(), low_key != 0u);
   blocks.ForEach([&](int64_t b) {
@@ -176,6 +194,9 @@ PassResult<R> AccumulateAndPrefilter(const cpu::Blocks& blocks,
       AccumulateChunk(gradient, residual, c, c_end,
                       low_key == 0u ? kInfBits : low_key, remaining,
                       &result.sums[b]);
+      if (with_profile) {  // while the chunk is in cache
+        ProfileChunk(remaining, c, c_end, result.profiles[b].data());
+      }
       if (ok[b]) {
         ok[b] = cpu::PrefilterBlock(remaining, c, c_end, low_key, limit,
                                     &result.candidates[b]);
@@ -212,7 +233,7 @@ template <typename T, typename R>
 void ErrorFeedbackTopKFunctor<CPUDevice, T, R>::operator()(
     OpKernelContext* ctx, const T* gradient, const R* residual, int64_t n,
     int64_t k, Method method, R* values, int32_t* indices, R* remaining,
-    double* stats) {
+    double* stats, double* profile) {
   const cpu::Blocks blocks(ctx, n);
   uint32_t low_key = 0u;
   cpu::Sample sample{{}, {0.0, 0.0, 0}};
@@ -224,8 +245,14 @@ void ErrorFeedbackTopKFunctor<CPUDevice, T, R>::operator()(
         n);
     low_key = cpu::PrefilterKey(&sample, n, k);
   }
-  PassResult<R> pass =
-      AccumulateAndPrefilter(blocks, gradient, residual, low_key, remaining);
+  PassResult<R> pass = AccumulateAndPrefilter(
+      blocks, gradient, residual, low_key, profile != nullptr, remaining);
+  if (profile != nullptr) {  // blocks in order: the same sums on every run
+    std::fill(profile, profile + kProfileRows * kNumBins, 0.0);
+    for (const std::vector<double>& block : pass.profiles) {
+      for (int j = 0; j < kProfileRows * kNumBins; ++j) profile[j] += block[j];
+    }
+  }
   double accumulated_squares = 0.0, below_squares = 0.0;
   int64_t non_finite = 0;
   for (const BlockSums& s : pass.sums) {
@@ -272,6 +299,7 @@ class ErrorFeedbackTopKOp : public OpKernel {
     std::string method;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("method", &method));
     method_ = method == "exact" ? Method::kExact : Method::kGaussian;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("with_profile", &with_profile_));
   }
 
   // The `remaining` output, from buffers this kernel keeps. A fresh buffer
@@ -336,19 +364,25 @@ class ErrorFeedbackTopKOp : public OpKernel {
     Tensor* indices = nullptr;
     Tensor* remaining = nullptr;
     Tensor* stats = nullptr;
+    Tensor* profile = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
     OP_REQUIRES_OK(ctx, RemainingBuffer(ctx, residual.dtype(), n, &remaining));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             3, TensorShape({kNumErrorFeedbackStats}), &stats));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            4, TensorShape({kProfileRows, with_profile_ ? kNumBins : 0}),
+                            &profile));
     if (n == 0) {
       stats->flat<double>().setZero();
+      if (with_profile_) profile->flat<double>().setZero();
       return;
     }
     ErrorFeedbackTopKFunctor<Device, T, R>()(
         ctx, gradient.flat<T>().data(), residual.flat<R>().data(), n, k,
         method_, values->flat<R>().data(), indices->flat<int32_t>().data(),
-        remaining->flat<R>().data(), stats->flat<double>().data());
+        remaining->flat<R>().data(), stats->flat<double>().data(),
+        with_profile_ ? profile->flat<double>().data() : nullptr);
   }
 
  private:
@@ -357,6 +391,7 @@ class ErrorFeedbackTopKOp : public OpKernel {
   static constexpr size_t kMaxBuffers = 3;
 
   Method method_ = Method::kGaussian;
+  bool with_profile_ = false;
   ::tensorflow::mutex mu_;
   std::vector<Tensor> buffers_ TF_GUARDED_BY(mu_);
 };

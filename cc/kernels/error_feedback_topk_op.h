@@ -23,11 +23,17 @@ enum ErrorFeedbackStat : int {
   kNumErrorFeedbackStats = 3,
 };
 
+// The profile (with_profile): count and sum of squares of the finite,
+// non-zero accumulated entries per magnitude bin (BinOf), row 0 and row 1 of
+// a [2, kNumBins] double array.
+constexpr int kProfileRows = 2;
+
 // accumulated = R(gradient) + residual over n >= 1 entries, written to
 // `remaining` (which may be `residual` itself); values[0:k] and
 // indices[0:k] get the selection of ApproxTopK on accumulated (spare slots:
 // value 0 at index 0); the selected entries of `remaining` are then zeroed;
-// stats[0:3] as ErrorFeedbackStat. Reports failures through ctx.
+// stats[0:3] as ErrorFeedbackStat; profile (nullptr: not wanted) as above.
+// Reports failures through ctx.
 template <typename Device, typename T, typename R>
 struct ErrorFeedbackTopKFunctor;
 
@@ -36,7 +42,8 @@ template <typename T, typename R>
 struct ErrorFeedbackTopKFunctor<Eigen::ThreadPoolDevice, T, R> {
   void operator()(::tensorflow::OpKernelContext* ctx, const T* gradient,
                   const R* residual, int64_t n, int64_t k, Method method,
-                  R* values, int32_t* indices, R* remaining, double* stats);
+                  R* values, int32_t* indices, R* remaining, double* stats,
+                  double* profile);
 };
 
 #if GOOGLE_CUDA
@@ -46,7 +53,8 @@ template <typename T, typename R>
 struct ErrorFeedbackTopKFunctor<Eigen::GpuDevice, T, R> {
   void operator()(::tensorflow::OpKernelContext* ctx, const T* gradient,
                   const R* residual, int64_t n, int64_t k, Method method,
-                  R* values, int32_t* indices, R* remaining, double* stats);
+                  R* values, int32_t* indices, R* remaining, double* stats,
+                  double* profile);
 };
 #endif  // GOOGLE_CUDA
 

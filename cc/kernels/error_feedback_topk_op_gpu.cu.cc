@@ -4,9 +4,9 @@
 // shared with the standalone harness.
 //
 // No host synchronisation: LaunchErrorFeedbackTopK only enqueues work; the
-// outputs (allocated by the OpKernel, stats included: they stay in device
-// memory) and the temp scratch are stream-ordered by TF's allocator, so
-// freeing the scratch when Compute returns is safe.
+// outputs (allocated by the OpKernel, stats and profile included: they stay
+// in device memory) and the temp scratch are stream-ordered by TF's
+// allocator, so freeing the scratch when Compute returns is safe.
 //
 // The selection inside is the CUDA ApproxTopK, which is not deterministic
 // (slots come from atomic counters; the sums of the statistics are atomics
@@ -40,16 +40,19 @@ static_assert(cuda::kStatAccumulatedSquares == kAccumulatedSquares &&
                   cuda::kStatNonFinite == kNonFinite &&
                   cuda::kNumStats == kNumErrorFeedbackStats,
               "the kernels' stats layout must match ErrorFeedbackStat");
+static_assert(cuda::kProfileRows == kProfileRows,
+              "the kernels' profile layout must match the op's");
 
 namespace {
 
 // T is the TensorFlow gradient type, CudaT the CUDA type of the same bits;
-// the residual and every float output are float32.
+// the residual and every float output are float32; profile is nullptr when
+// the op was built without it (with_profile=false).
 template <typename T, typename CudaT>
 void LaunchOnOpStream(::tensorflow::OpKernelContext* ctx, const T* gradient,
                       const float* residual, int64_t n, int64_t k,
                       Method method, float* values, int32_t* indices,
-                      float* remaining, double* stats) {
+                      float* remaining, double* stats, double* profile) {
   static_assert(sizeof(T) == sizeof(CudaT), "element types must match");
   OP_REQUIRES(
       ctx, !::tensorflow::OpDeterminismRequired(),
@@ -69,7 +72,7 @@ void LaunchOnOpStream(::tensorflow::OpKernelContext* ctx, const T* gradient,
   const cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
   const cudaError_t err = cuda::LaunchErrorFeedbackTopK<CudaT>(
       reinterpret_cast<const CudaT*>(gradient), residual, n, k, method, values,
-      indices, remaining, stats,
+      indices, remaining, stats, profile,
       bytes > 0 ? static_cast<void*>(scratch.flat<int8_t>().data()) : nullptr,
       stream);
   OP_REQUIRES(ctx, err == cudaSuccess,
@@ -88,27 +91,30 @@ template <>
 void ErrorFeedbackTopKFunctor<Eigen::GpuDevice, float, float>::operator()(
     ::tensorflow::OpKernelContext* ctx, const float* gradient,
     const float* residual, int64_t n, int64_t k, Method method, float* values,
-    int32_t* indices, float* remaining, double* stats) {
+    int32_t* indices, float* remaining, double* stats, double* profile) {
   LaunchOnOpStream<float, float>(ctx, gradient, residual, n, k, method, values,
-                                 indices, remaining, stats);
+                                 indices, remaining, stats, profile);
 }
 
 template <>
 void ErrorFeedbackTopKFunctor<Eigen::GpuDevice, Eigen::half, float>::operator()(
     ::tensorflow::OpKernelContext* ctx, const Eigen::half* gradient,
     const float* residual, int64_t n, int64_t k, Method method, float* values,
-    int32_t* indices, float* remaining, double* stats) {
+    int32_t* indices, float* remaining, double* stats, double* profile) {
   LaunchOnOpStream<Eigen::half, __half>(ctx, gradient, residual, n, k, method,
-                                        values, indices, remaining, stats);
+                                        values, indices, remaining, stats,
+                                        profile);
 }
 
 template <>
 void ErrorFeedbackTopKFunctor<Eigen::GpuDevice, Eigen::bfloat16, float>::
 operator()(::tensorflow::OpKernelContext* ctx, const Eigen::bfloat16* gradient,
            const float* residual, int64_t n, int64_t k, Method method,
-           float* values, int32_t* indices, float* remaining, double* stats) {
+           float* values, int32_t* indices, float* remaining, double* stats,
+           double* profile) {
   LaunchOnOpStream<Eigen::bfloat16, __nv_bfloat16>(
-      ctx, gradient, residual, n, k, method, values, indices, remaining, stats);
+      ctx, gradient, residual, n, k, method, values, indices, remaining, stats,
+      profile);
 }
 
 template struct ErrorFeedbackTopKFunctor<Eigen::GpuDevice, float, float>;

@@ -17,9 +17,11 @@ REGISTER_OP("ImportTfTopk>ErrorFeedbackTopK")
     .Output("indices: int32")
     .Output("remaining: R")
     .Output("stats: double")
+    .Output("profile: double")
     .Attr("T: {float, half, bfloat16, double}")
     .Attr("R: {float, double}")
     .Attr("method: {'gaussian', 'exact'} = 'gaussian'")
+    .Attr("with_profile: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
@@ -29,6 +31,9 @@ REGISTER_OP("ImportTfTopk>ErrorFeedbackTopK")
       c->set_output(1, c->Vector(k));
       c->set_output(2, c->Vector(c->NumElements(c->input(0))));
       c->set_output(3, c->Vector(3));
+      bool with_profile = false;
+      TF_RETURN_IF_ERROR(c->GetAttr("with_profile", &with_profile));
+      c->set_output(4, c->Matrix(2, with_profile ? 2048 : 0));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -37,8 +42,12 @@ Error feedback and selection in one pass: accumulated = gradient + residual
 selected as ApproxTopK selects them, and remaining = accumulated with the
 selected entries set to zero, flat. stats = [sum of squares of the finite
 entries of accumulated, the same of remaining, number of non-finite entries
-of accumulated]. The residual input is not modified: the caller assigns
-remaining to it when the step is kept.
+of accumulated]. With with_profile, profile[0, b] and profile[1, b] are the
+number and the sum of squares of the finite non-zero accumulated entries in
+magnitude bin b (the selection's 2048 logarithmic bins, 1/8 octave wide):
+the energy of the top-k for every k, at bin resolution, for choosing k;
+else profile is [2, 0]. The residual input is not modified: the caller
+assigns remaining to it when the step is kept.
 )doc");
 
 }  // namespace tf_topk

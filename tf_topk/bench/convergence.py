@@ -15,7 +15,15 @@ with the same inner optimizer, budget (epochs) and seeds:
 
 at each density, over `--seeds` seeds, and reports the final test accuracy
 (mean and std over seeds) per configuration; `--plot` draws the test-accuracy
-and training-loss curves (mean over seeds) to a PNG.
+and training-loss curves (mean over seeds) to a PNG. `--adaptive` adds
+
+    adaptive    tf_topk.TopKOptimizer(inner, density=AdaptiveDensity(replicas=--workers)),
+                the density chosen every step (with --methods topk_mc: with momentum correction)
+
+and `--bytes-plot` draws test accuracy against the cumulative bytes a worker
+would send in a cluster of `--workers` workers (all_gather of the pairs
+actually selected, plus the ring all-reduce of the small variables; dense:
+the ring all-reduce of everything), with the adaptive rule's density per epoch.
 
 One process, one replica: selection and error feedback act exactly as they
 do per replica in multi-worker training; only the exchange is missing, which
@@ -41,9 +49,9 @@ from tf_topk import cli
 METHODS = ("topk_ef", "topk_mc", "topk_noef", "randk_ef")
 DEFAULT_METHODS = ("topk_ef", "topk_noef", "randk_ef")
 LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_mc": "top-k + EF + MC", "topk_noef": "top-k, no EF",
-          "randk_ef": "random-k + EF"}
+          "randk_ef": "random-k + EF", "adaptive": "adaptive"}
 COLORS = {"dense": "black", "topk_ef": "tab:blue", "topk_mc": "tab:purple", "topk_noef": "tab:red",
-          "randk_ef": "tab:green"}
+          "randk_ef": "tab:green", "adaptive": "tab:orange"}
 
 
 # -- the random-k baseline (benchmark only) ------------------------------------------------
@@ -104,6 +112,11 @@ def make_optimizer(keras, method, density, args, steps_per_epoch):
     inner = make_inner(keras, args)
     if method == "dense":
         return inner
+    if method == "adaptive":
+        momentum_correction = "topk_mc" in args.methods and "topk_ef" not in args.methods
+        return tf_topk.TopKOptimizer(inner, density=tf_topk.schedule.AdaptiveDensity(replicas=args.workers),
+                                     method=args.method, min_size=args.min_size,
+                                     momentum_correction=momentum_correction)
     if args.warmup_epochs:
         density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=density)
     if method == "topk_ef":
@@ -119,6 +132,39 @@ def make_optimizer(keras, method, density, args, steps_per_epoch):
     raise ValueError(f"unknown method {method!r}")
 
 
+def _bytes_callback(keras, optimizer, model, workers):
+    """A callback that adds up, per epoch, the bytes one of `workers` workers
+    would send: for a TopKOptimizer, the pairs it selected each step to every
+    other worker plus the ring all-reduce of the small variables and the
+    non-finite count; for the inner optimizer alone, the ring all-reduce of
+    every gradient. Also keeps the density of each epoch's steps."""
+    from tf_topk.communicator import mode_bytes, ring_all_reduce_bytes
+
+    class Bytes(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.total, self.per_epoch, self.densities, self._epoch_densities = 0.0, [], [], []
+
+        def on_train_batch_end(self, batch, logs=None):
+            if not hasattr(optimizer, "compression_stats"):
+                params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+                self.total += ring_all_reduce_bytes(4.0 * params, workers)
+                return
+            stats = optimizer.compression_stats()
+            exchange = optimizer.exchange
+            small = sum(exchange._specs[p].size for p in exchange.dense_positions) + 1
+            self.total += mode_bytes("allgather", stats["selected"], 0, workers) + \
+                ring_all_reduce_bytes(4.0 * small, workers)
+            self._epoch_densities.append(stats["density"])
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.per_epoch.append(self.total)
+            if self._epoch_densities:
+                self.densities.append(statistics.fmean(self._epoch_densities))
+            self._epoch_densities = []
+
+    return Bytes()
+
+
 def train_one(method, density, seed, data, args):
     """Train one configuration and seed; returns per-epoch curves and the optimizer's last stats."""
     import keras
@@ -129,8 +175,9 @@ def train_one(method, density, seed, data, args):
     optimizer = make_optimizer(keras, method, density, args, -(-len(x_train) // args.batch_size))
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
+    counter = _bytes_callback(keras, optimizer, model, args.workers)
     history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
-                        validation_data=(x_test, y_test), shuffle=True, verbose=0)
+                        validation_data=(x_test, y_test), shuffle=True, verbose=0, callbacks=[counter])
     stats = optimizer.compression_stats() if method != "dense" else {}
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     return {
@@ -140,6 +187,8 @@ def train_one(method, density, seed, data, args):
         "val_accuracy": [float(v) for v in history.history["val_accuracy"]],
         "stats": stats,
         "params": params,
+        "bytes": counter.per_epoch,
+        "densities": counter.densities,
     }
 
 
@@ -154,6 +203,8 @@ def _std(values):
 def run(args, log=None):
     data = load_data(args.dataset)
     configs = [("dense", None)] + [(m, d) for d in args.densities for m in args.methods]
+    if args.adaptive:
+        configs.append(("adaptive", None))
     rows, params = [], None
     started = time.monotonic()
     for method, density in configs:
@@ -171,7 +222,9 @@ def run(args, log=None):
             "test_accuracy_std": round(_std(final), 5),
             "test_accuracy_per_seed": [round(a, 5) for a in final],
             "train_loss_mean": round(statistics.fmean(r["loss"][-1] for r in runs), 5),
-            "curves": {"train_loss": _mean_curve(runs, "loss"), "test_accuracy": _mean_curve(runs, "val_accuracy")},
+            "curves": {"train_loss": _mean_curve(runs, "loss"), "test_accuracy": _mean_curve(runs, "val_accuracy"),
+                       "bytes_per_worker": _mean_curve(runs, "bytes")},
+            "bytes_per_worker_total": round(statistics.fmean(r["bytes"][-1] for r in runs)),
             "seconds": round(time.monotonic() - t0, 1),
         }
         if method != "dense":
@@ -180,6 +233,8 @@ def run(args, log=None):
             row["random_k_bound"] = round(statistics.fmean(r["stats"].get("random_k_bound", float("nan"))
                                                            for r in runs), 5)
             row["sent_density"] = round(statistics.fmean(r["stats"].get("density", float("nan")) for r in runs), 6)
+        if method == "adaptive":
+            row["curves"]["density"] = _mean_curve(runs, "densities")
         rows.append(row)
         if log:
             log(f"{row['label']:<14} density {density if density is not None else '-':<6} test accuracy "
@@ -187,6 +242,7 @@ def run(args, log=None):
     dense = rows[0]
     for row in rows:
         row["vs_dense_points"] = round(100 * (row["test_accuracy_mean"] - dense["test_accuracy_mean"]), 2)
+    targets = adaptive_targets(rows) if args.adaptive else None
     import keras
     import tensorflow as tf
 
@@ -202,12 +258,70 @@ def run(args, log=None):
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
         "densities": args.densities, "methods": ["dense", *args.methods],
         "configs": rows,
+        "workers_for_bytes": args.workers,
+        "adaptive_targets": targets,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"nproc": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                     "tf_version": tf.__version__, "keras_version": keras.__version__},
         "command": "python -m tf_topk.bench convergence " + " ".join(args.argv),
         "duration_s": round(time.monotonic() - started, 1),
     }
+
+
+def adaptive_targets(rows, within_points=0.5):
+    """The adaptive rule's target: within `within_points` of dense accuracy,
+    with no more bytes than the best fixed density that also gets there."""
+    dense = rows[0]
+    adaptive = next(r for r in rows if r["method"] == "adaptive")
+    reaching = [r for r in rows if r["method"] not in ("dense", "adaptive") and r["vs_dense_points"] >= -within_points]
+    best = min(reaching, key=lambda r: r["bytes_per_worker_total"]) if reaching else None
+    accurate = adaptive["vs_dense_points"] >= -within_points
+    return {
+        "adaptive_vs_dense_points": adaptive["vs_dense_points"],
+        "adaptive_bytes": adaptive["bytes_per_worker_total"],
+        "best_fixed_reaching": None if best is None else {"method": best["method"], "density": best["density"],
+                                                         "bytes": best["bytes_per_worker_total"],
+                                                         "vs_dense_points": best["vs_dense_points"]},
+        "dense_bytes": dense["bytes_per_worker_total"],
+        "met": bool(accurate and (best is None or adaptive["bytes_per_worker_total"] <= best["bytes_per_worker_total"])),
+        "density_per_epoch": adaptive["curves"].get("density"),
+    }
+
+
+def plot_bytes(result, path):
+    """Test accuracy against cumulative bytes per worker (left), and the
+    adaptive rule's density per epoch (right)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["configs"]
+    fig, (ax, side) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [2, 1]})
+    styles = {0.1: ":", 0.01: "-.", 0.001: "--"}
+    for row in rows:
+        label = row["label"] if row["density"] is None else f"{row['label']} d={row['density']:g}"
+        ax.plot(row["curves"]["bytes_per_worker"], row["curves"]["test_accuracy"], color=COLORS[row["method"]],
+                linestyle=styles.get(row["density"], "-"), marker="o" if row["method"] == "adaptive" else None,
+                markersize=3, label=f"{label} ({row['test_accuracy_mean']:.3f})")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"cumulative bytes sent per worker ({result['workers_for_bytes']} workers)")
+    ax.set_ylabel("test accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    adaptive = next((r for r in rows if r["method"] == "adaptive"), None)
+    if adaptive is not None and adaptive["curves"].get("density"):
+        epochs = np.arange(1, len(adaptive["curves"]["density"]) + 1)
+        side.plot(epochs, adaptive["curves"]["density"], color=COLORS["adaptive"], marker="o", markersize=3)
+        side.set_yscale("log")
+        side.set_xlabel("epoch")
+        side.set_ylabel("density chosen (mean over the epoch's steps)")
+        side.grid(alpha=0.3)
+    fig.suptitle(f"{result['dataset']}: {result['model']}, {result['optimizer']}, mean of {result['seeds']} seeds",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def format_table(result):
@@ -227,6 +341,11 @@ def format_table(result):
             row = next(r for r in rows if r["method"] == method and r["density"] == d)
             cells.append(f"{row['test_accuracy_mean']:.4f} +- {row['test_accuracy_std']:.4f}".rjust(18))
         lines.append(f"{LABELS[method]:<16}" + "".join(cells))
+    adaptive = next((r for r in rows if r["method"] == "adaptive"), None)
+    if adaptive is not None:
+        lines.append(f"{'adaptive':<16}{adaptive['test_accuracy_mean']:.4f} +- {adaptive['test_accuracy_std']:.4f}"
+                     f"  ({adaptive['bytes_per_worker_total']:,} bytes per worker; target met: "
+                     f"{result['adaptive_targets']['met']})")
     return "\n".join(lines)
 
 
@@ -301,7 +420,13 @@ def main(argv=None):
                         help="tf_topk selection method")
     parser.add_argument("--min-size", type=int, default=None,
                         help="variables with fewer entries stay dense (default: the library's, 4096)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also train with the adaptive density (tf_topk.schedule.AdaptiveDensity)")
+    parser.add_argument("--workers", type=int, default=4,
+                        help="the cluster size bytes are counted for, and the adaptive rule's cost model assumes")
     parser.add_argument("--plot", metavar="PNG", help="draw the curves to this file (needs matplotlib)")
+    parser.add_argument("--bytes-plot", metavar="PNG",
+                        help="draw test accuracy against bytes sent per worker (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     args = parser.parse_args(argv)
     args.argv = argv
@@ -311,6 +436,8 @@ def main(argv=None):
         args.min_size = DEFAULT_MIN_SIZE
     if args.seeds < 1 or args.epochs < 1 or args.batch_size < 1:
         parser.error("--seeds, --epochs and --batch-size must be >= 1")
+    if args.workers < 2:
+        parser.error(f"--workers must be >= 2 (bytes are what a worker sends to the others), got {args.workers}")
     if args.warmup_epochs < 0:
         parser.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if args.model is None:
@@ -327,6 +454,9 @@ def main(argv=None):
     if args.plot:
         plot(result, args.plot)
         result["plot"] = args.plot
+    if args.bytes_plot:
+        plot_bytes(result, args.bytes_plot)
+        result["bytes_plot"] = args.bytes_plot
     if args.json:
         print(json.dumps(result))
     else:

@@ -95,8 +95,9 @@ def machine_info():
             "python": platform.python_version(), "loadavg_start": [round(v, 2) for v in os.getloadavg()]}
 
 
-def configurations(densities, dgc=False):
-    return ["dense"] + [f"topk:{d:g}" for d in densities] + ([f"dgc:{d:g}" for d in densities] if dgc else [])
+def configurations(densities, dgc=False, adaptive=False):
+    return (["dense"] + [f"topk:{d:g}" for d in densities] + ([f"dgc:{d:g}" for d in densities] if dgc else [])
+            + (["adaptive"] if adaptive else []))
 
 
 def _per_step(workers_results, key):
@@ -118,7 +119,7 @@ def summarize(config, workers_results, duration_s):
     wire, tcp = _per_step(workers_results, "wire"), _per_step(workers_results, "tcp")
     return {
         "config": config,
-        "density": None if config == "dense" else float(config.split(":", 1)[1]),
+        "density": None if config in ("dense", "adaptive") else float(config.split(":", 1)[1]),
         "step_time_s": round(step_time, 5),
         "step_time_s_min": round(min(per_step), 5),
         "step_time_s_max": round(max(per_step), 5),
@@ -128,6 +129,7 @@ def summarize(config, workers_results, duration_s):
         "tcp_sent_bytes_per_step": None if tcp is None else round(tcp["sent"]),
         "tcp_received_bytes_per_step": None if tcp is None else round(tcp["received"]),
         "estimated_bytes_sent_per_step": round(statistics.fmean(r["estimated_bytes_sent"] for r in workers_results)),
+        "sent_density": first.get("compression_stats", {}).get("density"),  # the last step's
         "loss_first": round(first["losses"][0], 4),
         "loss_last": round(first["losses"][-1], 4),
         "ready_s": round(max(r["ready_s"] for r in workers_results), 1),
@@ -234,7 +236,7 @@ def run(args):
             _log(f"setting up namespaces {cluster.base}-*")
             cluster.setup()  # a partial set-up is removed by the teardown below
             result["qdiscs"] = cluster.describe()
-        for config in configurations(args.densities, args.dgc):
+        for config in configurations(args.densities, args.dgc, args.adaptive):
             row, first = run_config(config, args, cluster, run_id, out_dir, stream)
             rows.append(row)
             result.update(params=first["params"], tf_version=first["tf_version"],
@@ -283,6 +285,8 @@ def main(argv=None):
                         help="comma-separated TopK densities (default 0.01,0.001)")
     parser.add_argument("--dgc", action="store_true",
                         help="also run dgc:<d> per density: momentum correction and sparse updates")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also run `adaptive`: the density chosen every step (default link model)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (tracing, connections)")
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")

@@ -10,6 +10,9 @@ configuration under MultiWorkerMirroredStrategy with a custom loop:
     dgc:<d>       the same with momentum_correction=True, sparse_updates=True:
                   the momentum moves into the exchange, and the update touches
                   only the entries sent
+    adaptive      TopKOptimizer(same optimizer, density="adaptive", exchange_mode="auto"):
+                  the density chosen every step with the default link model
+                  (tf_topk.schedule.AdaptiveDensity), dense all-reduce included
 
 on generated data (a fixed random teacher labels Gaussian inputs; each worker
 has its own batches), `--warmup` steps, then `--steps` timed steps, each
@@ -115,19 +118,23 @@ def make_batches(np, shape, classes, batch_size, seed, index, count=4):
 
 
 def parse_config(text):
-    """'dense' -> (None, None); 'topk:0.001' -> ('topk', 0.001); 'dgc:0.001' -> ('dgc', 0.001)."""
+    """'dense' -> (None, None); 'topk:0.001' -> ('topk', 0.001); 'dgc:0.001' -> ('dgc', 0.001);
+    'adaptive' -> ('adaptive', 'adaptive')."""
     if text == "dense":
         return None, None
+    if text == "adaptive":
+        return "adaptive", "adaptive"
     m = re.match(r"^(topk|dgc):(\d*\.?\d+(?:e-?\d+)?)$", text)
     if not m or not 0 < float(m.group(2)) <= 1:
-        raise ValueError(f"config must be 'dense', 'topk:<density in (0, 1]>' or 'dgc:<density>', got {text!r}")
+        raise ValueError(f"config must be 'dense', 'topk:<density in (0, 1]>', 'dgc:<density>' or 'adaptive', "
+                         f"got {text!r}")
     return m.group(1), float(m.group(2))
 
 
 def parse_args(argv=None):
     """The worker's options; tf_topk.bench.e2e writes this command line, so the two change together."""
     p = argparse.ArgumentParser(prog="python -m tf_topk.bench.e2e_worker")
-    p.add_argument("--config", required=True, help="dense, topk:<density> or dgc:<density>")
+    p.add_argument("--config", required=True, help="dense, topk:<density>, dgc:<density> or adaptive")
     p.add_argument("--model", choices=MODELS, default="wide")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -170,6 +177,8 @@ def build_training(keras, tf_topk, strategy, args, kind, density):
         inner = keras.optimizers.SGD(args.learning_rate, momentum=0.9)
         if kind is None:
             optimizer = inner
+        elif kind == "adaptive":
+            optimizer = tf_topk.TopKOptimizer(inner, density="adaptive", method=args.method, exchange_mode="auto")
         else:
             dgc = kind == "dgc"
             optimizer = tf_topk.TopKOptimizer(inner, density=density, method=args.method, momentum_correction=dgc,
