@@ -165,3 +165,10 @@ def test_profile_counts_and_energies_per_magnitude_bin(n, dtype):
     np.testing.assert_array_equal(out.profile.numpy()[0], counts)
     np.testing.assert_allclose(out.profile.numpy()[1], energies, rtol=1e-9)
     assert tf_topk.error_feedback_topk(grad, tf.constant(residual), 5).profile.shape == (2, 0)
+
+
+def test_an_empty_gradient_gives_empty_outputs_and_zero_statistics():
+    out = tf_topk.error_feedback_topk(tf.zeros([0, 3]), tf.zeros([0]), 0, with_profile=True)
+    assert out.values.shape == (0,) and out.remaining.shape == (0,)
+    np.testing.assert_array_equal(out.stats.numpy(), [0, 0, 0])
+    np.testing.assert_array_equal(out.profile.numpy(), np.zeros((2, 2048)))

@@ -9,6 +9,7 @@
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
+#include "selection_arguments.h"
 #include "topk_cpu.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
@@ -54,25 +55,9 @@ class ApproxTopKOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
-    const Tensor& k_tensor = ctx->input(1);
-    OP_REQUIRES(ctx, k_tensor.dims() == 0,
-                absl::InvalidArgumentError(
-                    "k must be a scalar, got shape " +
-                    k_tensor.shape().DebugString()));
-    const int64_t k = k_tensor.scalar<int32_t>()();
     const int64_t n = x.NumElements();
-    OP_REQUIRES(ctx, k >= 0,
-                absl::InvalidArgumentError("k must be >= 0, got k = " +
-                                           std::to_string(k)));
-    OP_REQUIRES(
-        ctx, n <= std::numeric_limits<int32_t>::max(),
-        absl::InvalidArgumentError(
-            "x has " + std::to_string(n) +
-            " entries; at most 2^31 - 1 are supported (indices are int32)"));
-    OP_REQUIRES(ctx, k <= n,
-                absl::InvalidArgumentError(
-                    "k must be <= the number of entries of x (" +
-                    std::to_string(n) + "), got k = " + std::to_string(k)));
+    int64_t k = 0;
+    OP_REQUIRES_OK(ctx, CheckSelectionArguments(ctx->input(1), n, "x", &k));
     Tensor* values = nullptr;
     Tensor* indices = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));

@@ -30,6 +30,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/platform/mutex.h"
+#include "selection_arguments.h"
 #include "topk_cpu.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
@@ -234,7 +235,7 @@ void ErrorFeedbackTopKFunctor<CPUDevice, T, R>::operator()(
     OpKernelContext* ctx, const T* gradient, const R* residual, int64_t n,
     int64_t k, Method method, R* values, int32_t* indices, R* remaining,
     double* stats, double* profile) {
-  const cpu::Blocks blocks(ctx, n);
+  const cpu::Blocks blocks(ctx, n);  // no block when n == 0
   uint32_t low_key = 0u;
   cpu::Sample sample{{}, {0.0, 0.0, 0}};
   if (k > 0 && PrefilterRank(n, k) >= 0) {
@@ -337,29 +338,14 @@ class ErrorFeedbackTopKOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& gradient = ctx->input(0);
     const Tensor& residual = ctx->input(1);
-    const Tensor& k_tensor = ctx->input(2);
-    OP_REQUIRES(ctx, k_tensor.dims() == 0,
-                absl::InvalidArgumentError("k must be a scalar, got shape " +
-                                           k_tensor.shape().DebugString()));
-    const int64_t k = k_tensor.scalar<int32_t>()();
     const int64_t n = gradient.NumElements();
     OP_REQUIRES(ctx, residual.NumElements() == n,
                 absl::InvalidArgumentError(
                     "residual must have as many entries as gradient (" +
                     std::to_string(n) + "), got shape " +
                     residual.shape().DebugString()));
-    OP_REQUIRES(ctx, k >= 0,
-                absl::InvalidArgumentError("k must be >= 0, got k = " +
-                                           std::to_string(k)));
-    OP_REQUIRES(
-        ctx, n <= std::numeric_limits<int32_t>::max(),
-        absl::InvalidArgumentError(
-            "gradient has " + std::to_string(n) +
-            " entries; at most 2^31 - 1 are supported (indices are int32)"));
-    OP_REQUIRES(ctx, k <= n,
-                absl::InvalidArgumentError(
-                    "k must be <= the number of entries of gradient (" +
-                    std::to_string(n) + "), got k = " + std::to_string(k)));
+    int64_t k = 0;
+    OP_REQUIRES_OK(ctx, CheckSelectionArguments(ctx->input(2), n, "gradient", &k));
     Tensor* values = nullptr;
     Tensor* indices = nullptr;
     Tensor* remaining = nullptr;
@@ -373,11 +359,7 @@ class ErrorFeedbackTopKOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             4, TensorShape({kProfileRows, with_profile_ ? kNumBins : 0}),
                             &profile));
-    if (n == 0) {
-      stats->flat<double>().setZero();
-      if (with_profile_) profile->flat<double>().setZero();
-      return;
-    }
+    // n == 0 too: the functor zeroes the statistics on its device.
     ErrorFeedbackTopKFunctor<Device, T, R>()(
         ctx, gradient.flat<T>().data(), residual.flat<R>().data(), n, k,
         method_, values->flat<R>().data(), indices->flat<int32_t>().data(),

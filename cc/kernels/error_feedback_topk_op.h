@@ -28,7 +28,7 @@ enum ErrorFeedbackStat : int {
 // a [2, kNumBins] double array.
 constexpr int kProfileRows = 2;
 
-// accumulated = R(gradient) + residual over n >= 1 entries, written to
+// accumulated = R(gradient) + residual over n >= 0 entries, written to
 // `remaining` (which may be `residual` itself); values[0:k] and
 // indices[0:k] get the selection of ApproxTopK on accumulated (spare slots:
 // value 0 at index 0); the selected entries of `remaining` are then zeroed;

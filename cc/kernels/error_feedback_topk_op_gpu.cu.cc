@@ -63,13 +63,23 @@ void LaunchOnOpStream(::tensorflow::OpKernelContext* ctx, const T* gradient,
           "(tf.config.experimental.enable_op_determinism). Place the op on "
           "the CPU, whose kernel is deterministic: with tf.device('/CPU:0'): "
           "..."));
+  const cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
+  if (n == 0) {  // an empty gradient: zero statistics, on the device
+    cudaError_t err = cudaMemsetAsync(stats, 0, cuda::kNumStats * sizeof(double), stream);
+    if (err == cudaSuccess && profile != nullptr) {
+      err = cudaMemsetAsync(profile, 0, kProfileRows * kNumBins * sizeof(double), stream);
+    }
+    OP_REQUIRES(ctx, err == cudaSuccess,
+                absl::InternalError(absl::StrCat("ErrorFeedbackTopK: zeroing the statistics failed: ",
+                                                 cudaGetErrorName(err))));
+    return;
+  }
   const int64_t bytes =
       static_cast<int64_t>(cuda::ErrorFeedbackScratchBytes(n, k));
   ::tensorflow::Tensor scratch;
   OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
                                          ::tensorflow::TensorShape({bytes}),
                                          &scratch));
-  const cudaStream_t stream = ctx->eigen_device<Eigen::GpuDevice>().stream();
   const cudaError_t err = cuda::LaunchErrorFeedbackTopK<CudaT>(
       reinterpret_cast<const CudaT*>(gradient), residual, n, k, method, values,
       indices, remaining, stats, profile,

@@ -1,0 +1,37 @@
+// The argument checks both selection ops make in Compute: k a scalar in
+// [0, n], and n within int32 indices. The errors name the argument and the
+// value, as the Python wrappers' do.
+#ifndef TF_TOPK_CC_KERNELS_SELECTION_ARGUMENTS_H_
+#define TF_TOPK_CC_KERNELS_SELECTION_ARGUMENTS_H_
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "absl/status/status.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tf_topk {
+
+// k from `k_tensor` for an input `what` of n entries, or the error.
+inline absl::Status CheckSelectionArguments(const ::tensorflow::Tensor& k_tensor, int64_t n,
+                                            const std::string& what, int64_t* k) {
+  if (k_tensor.dims() != 0) {
+    return absl::InvalidArgumentError("k must be a scalar, got shape " + k_tensor.shape().DebugString());
+  }
+  *k = k_tensor.scalar<int32_t>()();
+  if (*k < 0) return absl::InvalidArgumentError("k must be >= 0, got k = " + std::to_string(*k));
+  if (n > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(what + " has " + std::to_string(n) +
+                                      " entries; at most 2^31 - 1 are supported (indices are int32)");
+  }
+  if (*k > n) {
+    return absl::InvalidArgumentError("k must be <= the number of entries of " + what + " (" + std::to_string(n) +
+                                      "), got k = " + std::to_string(*k));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace tf_topk
+
+#endif  // TF_TOPK_CC_KERNELS_SELECTION_ARGUMENTS_H_
