@@ -145,7 +145,32 @@ def test_shapes_cnn_with_momentum_correction_and_warmup(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
 
 
+def test_adaptive_run_counts_bytes_per_worker_and_draws_bytes_to_accuracy(tmp_path):
+    png = tmp_path / "bytes.png"
+    proc = run_convergence("--seeds", "1", "--epochs", "2", "--densities", "0.1,0.01", "--methods", "topk_ef",
+                           "--hidden", str(HIDDEN), "--adaptive", "--workers", "4", "--json", "--bytes-plot", str(png))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    rows = {(r["method"], r["density"]): r for r in result["configs"]}
+    assert list(rows) == [("dense", None), ("topk_ef", 0.1), ("topk_ef", 0.01), ("adaptive", None)]
+    steps = 2 * math.ceil(1437 / 32)  # digits' training split, batch 32
+    dense_step = 2 * 3 / 4 * 4 * result["params"]  # ring all-reduce of every gradient, 4 workers
+    assert rows[("dense", None)]["bytes_per_worker_total"] == pytest.approx(steps * dense_step, rel=1e-6)
+    small = result["params"] - 64 * HIDDEN + 1  # the dense-path entries and the non-finite count
+    for density in (0.1, 0.01):  # every step sends k = ceil(d * 8192) pairs to 3 other workers
+        step = 3 * 8 * math.ceil(density * 64 * HIDDEN) + 2 * 3 / 4 * 4 * small
+        assert rows[("topk_ef", density)]["bytes_per_worker_total"] == pytest.approx(steps * step, rel=1e-3)
+    adaptive = rows[("adaptive", None)]
+    curve = adaptive["curves"]["bytes_per_worker"]
+    assert len(curve) == 2 and 0 < curve[0] < curve[1] == pytest.approx(adaptive["bytes_per_worker_total"], abs=1)
+    assert all(1e-4 <= d <= 1.0 for d in adaptive["curves"]["density"])
+    targets = result["adaptive_targets"]
+    assert targets["adaptive_bytes"] == adaptive["bytes_per_worker_total"] and isinstance(targets["met"], bool)
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
+
+
 @pytest.mark.parametrize("args,message", [
+    (("--workers", "1"), "--workers must be >= 2"),
     (("--methods", "topk_mc", "--optimizer", "adam"), "topk_mc .* needs --optimizer sgd with --momentum > 0"),
     (("--methods", "topk_mc", "--momentum", "0"), "topk_mc .* needs --optimizer sgd with --momentum > 0"),
     (("--warmup-epochs", "-1"), "--warmup-epochs must be >= 0, got -1"),

@@ -1,16 +1,19 @@
 """Sparse gradient exchange over tf.distribute: the replacement for the dense all-reduce.
 
 Per step and replica, for each sparsified variable: add the residual (error
-feedback), select k entries with the op, keep the rest in the residual; pack
-the (value, index) pairs of all sparsified variables of a bucket into one
-float32 buffer (indices bit-cast), exchange it with ONE `all_gather` per bucket,
-and scatter-add every replica's pairs back into a dense SUM, replica by replica
-in a fixed order so that every replica computes bitwise the same result. Or
-(`exchange_mode`, chosen by bytes sent by default) all replicas agree on the
-leader replica's indices and all-reduce their values there, or send the
-bucket dense.
-Variables smaller than `min_size` take the ordinary dense all-reduce, all of
-them in one packed call.
+feedback), select k entries and keep the rest as the next residual, all in one
+pass of the fused op (`tf_topk.error_feedback_topk`); pack the (value, index)
+pairs of all sparsified variables of a bucket into one float32 buffer (indices
+bit-cast), exchange it with ONE `all_gather` per bucket, and scatter every
+replica's pairs into a dense SUM in one scatter, in replica order, so that
+every replica computes bitwise the same result (or hand the pairs over as
+`SparseGradient`s, `sparse_output=True`). Or (`exchange_mode`) all replicas
+agree on the leader replica's indices and all-reduce their values there, or
+send the bucket dense.
+Variables smaller than `min_size` take the dense path: their gradients and
+the count of non-finite entries ride in a bucket's collective when that is
+cheaper, else in one packed all-reduce. A step with one bucket makes one
+collective.
 
 Usable in any replica context: inside `strategy.run` of a custom training
 loop, in a SavedModel's training function, or through the Keras optimizer
@@ -167,8 +170,9 @@ class SparseExchange(tf.Module):
       variables: the variables whose gradients are exchanged, in the order the
         gradients will be passed (for Keras: `model.trainable_variables`).
       density: fraction of entries sent per sparsified variable: a float in
-        (0, 1], a list of (step, density) pairs or a callable (see
-        `tf_topk.schedule`).
+        (0, 1], a list of (step, density) pairs, a callable, or "adaptive" /
+        a `tf_topk.schedule.AdaptiveDensity` (chosen every step from the
+        gradient; see `tf_topk.schedule`).
       method: selection method of `tf_topk.approx_topk`: "gaussian" or "exact"
         (the default selector's).
       min_size: variables with fewer entries take the dense all-reduce.
@@ -472,7 +476,9 @@ class SparseExchange(tf.Module):
         """This replica's proposal for the next step's density (float32), by
         the adaptive rule on the profile of every sparsified variable, with
         the byte costs of the exchange mode in use."""
-        profile = tf.add_n([piece.profile for selection in selections for piece in selection.pieces])
+        pieces = [piece for selection in selections for piece in selection.pieces]
+        profile = tf.add_n([piece.profile for piece in pieces])
+        total_energy = tf.add_n([piece.stats[0] for piece in pieces])
         entries = float(sum(selection.size for selection in selections))
         workers = self.adaptive.replicas or replicas
         path = "allgather" if any(p == "allgather" for _, _, p, _ in plans) else "allreduce"
@@ -481,7 +487,7 @@ class SparseExchange(tf.Module):
         # ("auto"), else every pair through the same path.
         dense_bytes = (mode_bytes("dense", entries, entries, workers) if self.exchange_mode == "auto"
                        else mode_bytes(path, entries, entries, workers))
-        return tf.cast(self.adaptive.choose(profile, entries, pair_bytes, dense_bytes), tf.float32)
+        return tf.cast(self.adaptive.choose(profile, entries, pair_bytes, dense_bytes, total_energy), tf.float32)
 
     def _split_dense(self, members, summed, out):
         """A bucket's dense sum cut into its variables' gradients."""
@@ -532,8 +538,10 @@ class SparseExchange(tf.Module):
         variable: an ErrorFeedbackSelection (values, indices, remaining, stats)."""
         compensation = self.memory.compensate(slot, grad)
         fused = isinstance(self.selector, TopKSelector)
-        selection = ops.error_feedback_topk(compensation.gradient, compensation.residual, k if fused else 0,
-                                            method=self.method, with_profile=self.adaptive is not None)
+        selection = ops.error_feedback_topk(
+            compensation.gradient, compensation.residual, k if fused else 0, method=self.method,
+            with_profile=self.adaptive is not None,
+            profile_density=self.adaptive.max_density if self.adaptive is not None else 1.0)
         if not fused:  # another selector: the op adds, the selector picks
             accumulated = selection.remaining
             values, indices = self.selector.select(accumulated, k)

@@ -188,7 +188,8 @@ PROFILE_BINS = 2048
 ERROR_FEEDBACK_STATS = ("accumulated_squares", "remaining_squares", "non_finite")
 
 
-def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=False, name=None):
+def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=False, profile_density=1.0,
+                        name=None):
     """Error feedback and top-k selection in one pass over the gradient.
 
     Computes accumulated = gradient + residual (in the residual's dtype), the
@@ -212,6 +213,9 @@ def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=F
       with_profile: also return the magnitude profile (count and energy per
         bin) of gradient + residual, from the same pass: what an adaptive
         choice of k needs (`tf_topk.schedule.AdaptiveDensity`).
+      profile_density: in (0, 1]; the profile need only be exact from the
+        largest magnitudes down to rank profile_density * size (the CPU kernel
+        then skips the entries well below it, which makes profiling cheap).
       name: optional op name.
 
     Returns:
@@ -234,6 +238,9 @@ def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=F
             raise _invalid(f"gradient must be float32, float16, bfloat16 or float64, got dtype "
                            f"{gradient.dtype.name}")
         wanted = tf.float64 if gradient.dtype == tf.float64 else tf.float32
+        if isinstance(profile_density, bool) or not isinstance(profile_density, (int, float)) or \
+                not 0.0 < profile_density <= 1.0:
+            raise ValueError(f"profile_density must be a float in (0, 1], got {profile_density!r}")
         if residual.dtype != wanted:
             raise _invalid(f"residual must be {wanted.name} for a {gradient.dtype.name} gradient, got dtype "
                            f"{residual.dtype.name}")
@@ -245,4 +252,5 @@ def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=F
         k = _check_k(k, size, "gradient")
         _refuse_xla()
         return ErrorFeedbackSelection(*_error_feedback_topk_raw(gradient, residual, k, method=method,
-                                                                with_profile=bool(with_profile)))
+                                                                with_profile=bool(with_profile),
+                                                                profile_density=float(profile_density)))

@@ -209,7 +209,8 @@ class AdaptiveDensity:
       selection_s_per_entry: compute of the sparse path per entry, in seconds.
       dense: whether the rule may choose to send everything.
       replicas: the number of workers the byte costs assume; default the
-        replicas in sync (set it to study a cluster from one process).
+        replicas in sync. With one replica nothing travels, so the rule sends
+        everything: set it to study a cluster's choices from one process.
       initial_density: the first step's density (default max_density).
 
     Example:
@@ -243,13 +244,15 @@ class AdaptiveDensity:
         """c0: the message's fixed cost and the sparse path's compute, in bytes."""
         return self.message_bytes + self.selection_s_per_entry * entries * self.bandwidth_bytes_per_s
 
-    def choose(self, profile, entries, pair_bytes, dense_bytes):
+    def choose(self, profile, entries, pair_bytes, dense_bytes, total_energy=None):
         """The density the rule picks (float64 scalar tensor; 1.0: dense).
 
         profile: float64 [2, bins]: count and energy per ascending magnitude
-        bin of the accumulated gradients; entries: n, their number;
-        pair_bytes: c1; dense_bytes: what sending everything costs (a float,
-        or None when the dense end is off).
+        bin of the accumulated gradients, exact at least down to rank
+        max_density * n from the top; entries: n, their number; pair_bytes:
+        c1; dense_bytes: what sending everything costs (a float, or None when
+        the dense end is off); total_energy: the energy of all entries (the
+        dense end's gain; default: the profile's).
         """
         profile = tf.cast(profile, tf.float64)
         counts, energy = tf.reverse(profile[0], [0]), tf.reverse(profile[1], [0])  # largest bins first
@@ -259,6 +262,7 @@ class AdaptiveDensity:
         high = max(low, math.ceil(self.max_density * entries))
         grid = tf.constant(sorted({float(round(low * (high / low) ** (i / (GRID_POINTS - 1))))
                                    for i in range(GRID_POINTS)}), tf.float64)
+        grid = tf.minimum(grid, tf.maximum(through_k[-1], 1.0))  # never beyond what the profile covers
         # E(k): the bins above k's bin, and k's share of its bin (linear inside it).
         bin_of_k = tf.minimum(tf.searchsorted(through_k, grid, side="left"), tf.size(counts) - 1)
         inside = tf.clip_by_value((grid - tf.gather(above_k, bin_of_k)) / tf.maximum(tf.gather(counts, bin_of_k), 1.0),
@@ -270,7 +274,8 @@ class AdaptiveDensity:
         density = tf.gather(grid, best) / float(entries)
         if dense_bytes is None or not self.dense:
             return density
-        dense_ratio = through_e[-1] / (self.message_bytes + float(dense_bytes))
+        total = through_e[-1] if total_energy is None else tf.cast(total_energy, tf.float64)
+        dense_ratio = total / (self.message_bytes + float(dense_bytes))
         return tf.where(dense_ratio > tf.gather(ratio, best), tf.constant(1.0, tf.float64), density)
 
     def get_config(self):

@@ -162,23 +162,59 @@ struct PassResult {
 };
 
 // Adds the count and sum of squares of the finite, non-zero entries of
-// x[begin, end) to their magnitude bins (profile: counts, then energies).
+// x[begin, end) whose key is at least floor_key to their magnitude bins
+// (profile: counts, then energies).
 template <typename R>
-void ProfileChunk(const R* x, int64_t begin, int64_t end, double* profile) {
-  for (int64_t i = begin; i < end; ++i) {
-    const uint32_t key = cpu::KeyOf(x[i]);
-    if (!Qualifies(key)) continue;
-    const int bin = BinOf(key);
-    profile[bin] += 1.0;
-    profile[kNumBins + bin] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+inline void ProfileEntry(R x, uint32_t floor_key, double* profile) {
+  const uint32_t key = cpu::KeyOf(x);
+  if (key < floor_key || !Qualifies(key)) return;
+  const int bin = BinOf(key);
+  profile[bin] += 1.0;
+  profile[kNumBins + bin] += static_cast<double>(x) * static_cast<double>(x);
+}
+
+template <typename R>
+void ProfileChunk(const R* x, int64_t begin, int64_t end, uint32_t floor_key, double* profile) {
+  for (int64_t i = begin; i < end; ++i) ProfileEntry(x[i], floor_key, profile);
+}
+
+// float32: four entries per comparison, so that entries below the floor
+// (most of them, with a floor) cost no scalar work.
+template <>
+void ProfileChunk<float>(const float* x, int64_t begin, int64_t end, uint32_t floor_key, double* profile) {
+  const int32_t floor = static_cast<int32_t>(std::min<uint32_t>(floor_key, kInfBits));
+  int64_t i = begin;
+  for (; i + 4 <= end; i += 4) {
+    Int4 raw;
+    std::memcpy(&raw, x + i, sizeof(raw));
+    const Int4 hit = (raw & 0x7fffffff) >= floor;
+    if (!(hit[0] | hit[1] | hit[2] | hit[3])) continue;
+    for (int lane = 0; lane < 4; ++lane) {
+      if (hit[lane]) ProfileEntry(x[i + lane], floor_key, profile);
+    }
   }
+  for (; i < end; ++i) ProfileEntry(x[i], floor_key, profile);
+}
+
+// The profile's floor: a sampled magnitude with comfortably more than the
+// top profile_density * n entries above it (the sample's expected count
+// among them, plus a quarter, plus three standard deviations, plus 8), or 0
+// (profile everything) when the sample cannot tell.
+inline uint32_t ProfileFloorKey(cpu::Sample* sample, double profile_density) {
+  std::vector<double>& m = sample->magnitudes;
+  const double expected = profile_density * static_cast<double>(kSampleSize);
+  const int64_t rank = static_cast<int64_t>(std::ceil(1.25 * expected + 3.0 * std::sqrt(expected) + 8.0));
+  if (profile_density >= 1.0 || rank >= static_cast<int64_t>(m.size())) return 0u;
+  std::nth_element(m.begin(), m.begin() + rank, m.end(), [](double a, double b) { return a > b; });
+  const uint32_t key = MagnitudeBits(static_cast<float>(m[rank]));
+  return Qualifies(key) ? key : 0u;
 }
 
 template <typename T, typename R>
 PassResult<R> AccumulateAndPrefilter(const cpu::Blocks& blocks,
                                      const T* gradient, const R* residual,
                                      uint32_t low_key, bool with_profile,
-                                     R* remaining) {
+                                     uint32_t floor_key, R* remaining) {
   PassResult<R> result;
   result.sums.resize(blocks.count());
   if (with_profile) {
@@ -196,7 +232,7 @@ PassResult<R> AccumulateAndPrefilter(const cpu::Blocks& blocks,
                       low_key == 0u ? kInfBits : low_key, remaining,
                       &result.sums[b]);
       if (with_profile) {  // while the chunk is in cache
-        ProfileChunk(remaining, c, c_end, result.profiles[b].data());
+        ProfileChunk(remaining, c, c_end, floor_key, result.profiles[b].data());
       }
       if (ok[b]) {
         ok[b] = cpu::PrefilterBlock(remaining, c, c_end, low_key, limit,
@@ -234,20 +270,23 @@ template <typename T, typename R>
 void ErrorFeedbackTopKFunctor<CPUDevice, T, R>::operator()(
     OpKernelContext* ctx, const T* gradient, const R* residual, int64_t n,
     int64_t k, Method method, R* values, int32_t* indices, R* remaining,
-    double* stats, double* profile) {
+    double* stats, double* profile, double profile_density) {
   const cpu::Blocks blocks(ctx, n);  // no block when n == 0
-  uint32_t low_key = 0u;
+  uint32_t low_key = 0u, floor_key = 0u;
   cpu::Sample sample{{}, {0.0, 0.0, 0}};
-  if (k > 0 && PrefilterRank(n, k) >= 0) {
+  const bool prefilter = k > 0 && PrefilterRank(n, k) >= 0;
+  const bool floor = profile != nullptr && profile_density < 1.0 && n >= kMinPrefilterSize;
+  if (prefilter || floor) {
     sample = cpu::SampleOf<R>(
-        [gradient, residual](int64_t i) {
+        blocks, [gradient, residual](int64_t i) {
           return static_cast<R>(gradient[i]) + residual[i];
         },
         n);
-    low_key = cpu::PrefilterKey(&sample, n, k);
+    if (floor) floor_key = ProfileFloorKey(&sample, profile_density);
+    if (prefilter) low_key = cpu::PrefilterKey(&sample, n, k);
   }
   PassResult<R> pass = AccumulateAndPrefilter(
-      blocks, gradient, residual, low_key, profile != nullptr, remaining);
+      blocks, gradient, residual, low_key, profile != nullptr, floor_key, remaining);
   if (profile != nullptr) {  // blocks in order: the same sums on every run
     std::fill(profile, profile + kProfileRows * kNumBins, 0.0);
     for (const std::vector<double>& block : pass.profiles) {
@@ -301,6 +340,12 @@ class ErrorFeedbackTopKOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("method", &method));
     method_ = method == "exact" ? Method::kExact : Method::kGaussian;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("with_profile", &with_profile_));
+    float profile_density = 1.0f;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("profile_density", &profile_density));
+    OP_REQUIRES(ctx, profile_density > 0.0f && profile_density <= 1.0f,
+                absl::InvalidArgumentError("profile_density must be in (0, 1], got " +
+                                           std::to_string(profile_density)));
+    profile_density_ = profile_density;
   }
 
   // The `remaining` output, from buffers this kernel keeps. A fresh buffer
@@ -364,7 +409,7 @@ class ErrorFeedbackTopKOp : public OpKernel {
         ctx, gradient.flat<T>().data(), residual.flat<R>().data(), n, k,
         method_, values->flat<R>().data(), indices->flat<int32_t>().data(),
         remaining->flat<R>().data(), stats->flat<double>().data(),
-        with_profile_ ? profile->flat<double>().data() : nullptr);
+        with_profile_ ? profile->flat<double>().data() : nullptr, profile_density_);
   }
 
  private:
@@ -374,6 +419,7 @@ class ErrorFeedbackTopKOp : public OpKernel {
 
   Method method_ = Method::kGaussian;
   bool with_profile_ = false;
+  double profile_density_ = 1.0;
   ::tensorflow::mutex mu_;
   std::vector<Tensor> buffers_ TF_GUARDED_BY(mu_);
 };

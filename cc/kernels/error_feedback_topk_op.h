@@ -32,8 +32,9 @@ constexpr int kProfileRows = 2;
 // `remaining` (which may be `residual` itself); values[0:k] and
 // indices[0:k] get the selection of ApproxTopK on accumulated (spare slots:
 // value 0 at index 0); the selected entries of `remaining` are then zeroed;
-// stats[0:3] as ErrorFeedbackStat; profile (nullptr: not wanted) as above.
-// Reports failures through ctx.
+// stats[0:3] as ErrorFeedbackStat; profile (nullptr: not wanted) as above,
+// exact at least for the entries down to the rank profile_density * n from
+// the top (a kernel may profile more). Reports failures through ctx.
 template <typename Device, typename T, typename R>
 struct ErrorFeedbackTopKFunctor;
 
@@ -43,7 +44,7 @@ struct ErrorFeedbackTopKFunctor<Eigen::ThreadPoolDevice, T, R> {
   void operator()(::tensorflow::OpKernelContext* ctx, const T* gradient,
                   const R* residual, int64_t n, int64_t k, Method method,
                   R* values, int32_t* indices, R* remaining, double* stats,
-                  double* profile);
+                  double* profile, double profile_density);
 };
 
 #if GOOGLE_CUDA
@@ -54,7 +55,7 @@ struct ErrorFeedbackTopKFunctor<Eigen::GpuDevice, T, R> {
   void operator()(::tensorflow::OpKernelContext* ctx, const T* gradient,
                   const R* residual, int64_t n, int64_t k, Method method,
                   R* values, int32_t* indices, R* remaining, double* stats,
-                  double* profile);
+                  double* profile, double profile_density);
 };
 #endif  // GOOGLE_CUDA
 

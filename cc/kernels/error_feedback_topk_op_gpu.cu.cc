@@ -101,7 +101,8 @@ template <>
 void ErrorFeedbackTopKFunctor<Eigen::GpuDevice, float, float>::operator()(
     ::tensorflow::OpKernelContext* ctx, const float* gradient,
     const float* residual, int64_t n, int64_t k, Method method, float* values,
-    int32_t* indices, float* remaining, double* stats, double* profile) {
+    int32_t* indices, float* remaining, double* stats, double* profile,
+    double /*profile_density: the CUDA kernel profiles every entry*/) {
   LaunchOnOpStream<float, float>(ctx, gradient, residual, n, k, method, values,
                                  indices, remaining, stats, profile);
 }
@@ -110,7 +111,8 @@ template <>
 void ErrorFeedbackTopKFunctor<Eigen::GpuDevice, Eigen::half, float>::operator()(
     ::tensorflow::OpKernelContext* ctx, const Eigen::half* gradient,
     const float* residual, int64_t n, int64_t k, Method method, float* values,
-    int32_t* indices, float* remaining, double* stats, double* profile) {
+    int32_t* indices, float* remaining, double* stats, double* profile,
+    double /*profile_density: the CUDA kernel profiles every entry*/) {
   LaunchOnOpStream<Eigen::half, __half>(ctx, gradient, residual, n, k, method,
                                         values, indices, remaining, stats,
                                         profile);
@@ -121,7 +123,8 @@ void ErrorFeedbackTopKFunctor<Eigen::GpuDevice, Eigen::bfloat16, float>::
 operator()(::tensorflow::OpKernelContext* ctx, const Eigen::bfloat16* gradient,
            const float* residual, int64_t n, int64_t k, Method method,
            float* values, int32_t* indices, float* remaining, double* stats,
-           double* profile) {
+           double* profile,
+           double /*profile_density: the CUDA kernel profiles every entry*/) {
   LaunchOnOpStream<Eigen::bfloat16, __nv_bfloat16>(
       ctx, gradient, residual, n, k, method, values, indices, remaining, stats,
       profile);

@@ -109,22 +109,20 @@ struct Sample {
   Moments moments;                 // of the qualifying sampled entries
 };
 
-// The deterministic sample (SampleIndex, shared with the GPU) of the entries
-// value_at(i) gives (the input itself, or a sum computed on the fly).
+// Adds the sampled entries s in [first, last) of the deterministic sample
+// (SampleIndex, shared with the GPU) to `sample`, from the entries value_at(i)
+// gives (the input itself, or a sum computed on the fly).
 template <typename T, typename ValueAt>
-Sample SampleOf(const ValueAt& value_at, int64_t n) {
-  Sample sample{{}, {0.0, 0.0, 0}};
-  sample.magnitudes.reserve(kSampleSize);
-  for (int64_t s = 0; s < kSampleSize; ++s) {
+void SampleRange(const ValueAt& value_at, int64_t n, int64_t first, int64_t last, Sample* sample) {
+  for (int64_t s = first; s < last; ++s) {
     const T x = value_at(SampleIndex(s, n));
     if (!Qualifies(KeyOf(x))) continue;
     const double v = static_cast<double>(x);
-    sample.magnitudes.push_back(std::fabs(v));
-    sample.moments.sum += v;
-    sample.moments.sum_squares += v * v;
-    sample.moments.count += 1;
+    sample->magnitudes.push_back(std::fabs(v));
+    sample->moments.sum += v;
+    sample->moments.sum_squares += v * v;
+    sample->moments.count += 1;
   }
-  return sample;
 }
 
 // The prefilter threshold (magnitude bits): the sampled magnitude of rank
@@ -310,11 +308,14 @@ class Blocks {
 
   // fn(b) for every block, in parallel; one block per shard, since blocks
   // are already sized to spread over the threads.
-  void ForEach(const std::function<void(int64_t)>& fn) const {
-    pool_->ParallelFor(count_,
+  void ForEach(const std::function<void(int64_t)>& fn) const { Parallel(count_, fn); }
+
+  // fn(i) for i in [0, count), in parallel, one per shard.
+  void Parallel(int64_t count, const std::function<void(int64_t)>& fn) const {
+    pool_->ParallelFor(count,
                        ::tsl::thread::ThreadPool::SchedulingParams::Fixed(1),
                        [&](int64_t first, int64_t last) {
-                         for (int64_t b = first; b < last; ++b) fn(b);
+                         for (int64_t i = first; i < last; ++i) fn(i);
                        });
   }
 
@@ -324,6 +325,31 @@ class Blocks {
   int64_t size_;
   int64_t count_;
 };
+
+// The sample is read in this many pieces, in parallel: its entries are
+// scattered over the input, so each read is a cache miss, and the threads'
+// misses overlap. Pieces are combined in order, so the sample (and the
+// moments' sums) do not depend on the number of threads.
+constexpr int64_t kSamplePieces = 16;
+
+template <typename T, typename ValueAt>
+Sample SampleOf(const Blocks& blocks, const ValueAt& value_at, int64_t n) {
+  std::vector<Sample> pieces(kSamplePieces, Sample{{}, {0.0, 0.0, 0}});
+  blocks.Parallel(kSamplePieces, [&](int64_t p) {
+    pieces[p].magnitudes.reserve(kSampleSize / kSamplePieces);
+    SampleRange<T>(value_at, n, p * kSampleSize / kSamplePieces, (p + 1) * kSampleSize / kSamplePieces,
+                   &pieces[p]);
+  });
+  Sample sample{{}, {0.0, 0.0, 0}};
+  sample.magnitudes.reserve(kSampleSize);
+  for (const Sample& piece : pieces) {
+    sample.magnitudes.insert(sample.magnitudes.end(), piece.magnitudes.begin(), piece.magnitudes.end());
+    sample.moments.sum += piece.moments.sum;
+    sample.moments.sum_squares += piece.moments.sum_squares;
+    sample.moments.count += piece.moments.count;
+  }
+  return sample;
+}
 
 // After the prefilter: the histogram of the candidates (every block's, in
 // block order) makes the plan, and the selection is made from them alone.
@@ -375,7 +401,7 @@ bool SelectFromCandidates(const Blocks& blocks, const T* input, int64_t n,
                           int64_t k, Method method, T* values,
                           int32_t* indices) {
   if (PrefilterRank(n, k) < 0) return false;
-  Sample sample = SampleOf<T>([input](int64_t i) { return input[i]; }, n);
+  Sample sample = SampleOf<T>(blocks, [input](int64_t i) { return input[i]; }, n);
   const uint32_t low_key = PrefilterKey(&sample, n, k);
   if (low_key == 0u) return false;
   std::vector<std::vector<Candidate<T>>> block_candidates(blocks.count());

@@ -22,6 +22,7 @@ REGISTER_OP("ImportTfTopk>ErrorFeedbackTopK")
     .Attr("R: {float, double}")
     .Attr("method: {'gaussian', 'exact'} = 'gaussian'")
     .Attr("with_profile: bool = false")
+    .Attr("profile_density: float = 1.0")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle unused;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &unused));
@@ -46,7 +47,10 @@ of accumulated]. With with_profile, profile[0, b] and profile[1, b] are the
 number and the sum of squares of the finite non-zero accumulated entries in
 magnitude bin b (the selection's 2048 logarithmic bins, 1/8 octave wide):
 the energy of the top-k for every k, at bin resolution, for choosing k;
-else profile is [2, 0]. The residual input is not modified: the caller
+else profile is [2, 0]. With profile_density < 1 the CPU kernel may leave
+out entries below the magnitude of about the (profile_density * n)-th
+largest (estimated from its sample, with a margin): the profile is exact
+from the top down to at least that rank. The residual input is not modified: the caller
 assigns remaining to it when the step is kept.
 )doc");
 

@@ -18,7 +18,8 @@ at each density, over `--seeds` seeds, and reports the final test accuracy
 and training-loss curves (mean over seeds) to a PNG. `--adaptive` adds
 
     adaptive    tf_topk.TopKOptimizer(inner, density=AdaptiveDensity(replicas=--workers)),
-                the density chosen every step (with --methods topk_mc: with momentum correction)
+                the density chosen every step
+    adaptive_mc the same with momentum_correction=True (when --methods has topk_mc)
 
 and `--bytes-plot` draws test accuracy against the cumulative bytes a worker
 would send in a cluster of `--workers` workers (all_gather of the pairs
@@ -49,9 +50,9 @@ from tf_topk import cli
 METHODS = ("topk_ef", "topk_mc", "topk_noef", "randk_ef")
 DEFAULT_METHODS = ("topk_ef", "topk_noef", "randk_ef")
 LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_mc": "top-k + EF + MC", "topk_noef": "top-k, no EF",
-          "randk_ef": "random-k + EF", "adaptive": "adaptive"}
+          "randk_ef": "random-k + EF", "adaptive": "adaptive", "adaptive_mc": "adaptive + MC"}
 COLORS = {"dense": "black", "topk_ef": "tab:blue", "topk_mc": "tab:purple", "topk_noef": "tab:red",
-          "randk_ef": "tab:green", "adaptive": "tab:orange"}
+          "randk_ef": "tab:green", "adaptive": "tab:orange", "adaptive_mc": "tab:brown"}
 
 
 # -- the random-k baseline (benchmark only) ------------------------------------------------
@@ -112,11 +113,10 @@ def make_optimizer(keras, method, density, args, steps_per_epoch):
     inner = make_inner(keras, args)
     if method == "dense":
         return inner
-    if method == "adaptive":
-        momentum_correction = "topk_mc" in args.methods and "topk_ef" not in args.methods
+    if method in ("adaptive", "adaptive_mc"):
         return tf_topk.TopKOptimizer(inner, density=tf_topk.schedule.AdaptiveDensity(replicas=args.workers),
                                      method=args.method, min_size=args.min_size,
-                                     momentum_correction=momentum_correction)
+                                     momentum_correction=method == "adaptive_mc")
     if args.warmup_epochs:
         density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=density)
     if method == "topk_ef":
@@ -205,6 +205,8 @@ def run(args, log=None):
     configs = [("dense", None)] + [(m, d) for d in args.densities for m in args.methods]
     if args.adaptive:
         configs.append(("adaptive", None))
+        if "topk_mc" in args.methods:
+            configs.append(("adaptive_mc", None))
     rows, params = [], None
     started = time.monotonic()
     for method, density in configs:
@@ -233,7 +235,7 @@ def run(args, log=None):
             row["random_k_bound"] = round(statistics.fmean(r["stats"].get("random_k_bound", float("nan"))
                                                            for r in runs), 5)
             row["sent_density"] = round(statistics.fmean(r["stats"].get("density", float("nan")) for r in runs), 6)
-        if method == "adaptive":
+        if method in ("adaptive", "adaptive_mc"):
             row["curves"]["density"] = _mean_curve(runs, "densities")
         rows.append(row)
         if log:
@@ -273,7 +275,7 @@ def adaptive_targets(rows, within_points=0.5):
     with no more bytes than the best fixed density that also gets there."""
     dense = rows[0]
     adaptive = next(r for r in rows if r["method"] == "adaptive")
-    reaching = [r for r in rows if r["method"] not in ("dense", "adaptive") and r["vs_dense_points"] >= -within_points]
+    reaching = [r for r in rows if r["density"] is not None and r["vs_dense_points"] >= -within_points]
     best = min(reaching, key=lambda r: r["bytes_per_worker_total"]) if reaching else None
     accurate = adaptive["vs_dense_points"] >= -within_points
     return {
@@ -302,18 +304,19 @@ def plot_bytes(result, path):
     for row in rows:
         label = row["label"] if row["density"] is None else f"{row['label']} d={row['density']:g}"
         ax.plot(row["curves"]["bytes_per_worker"], row["curves"]["test_accuracy"], color=COLORS[row["method"]],
-                linestyle=styles.get(row["density"], "-"), marker="o" if row["method"] == "adaptive" else None,
+                linestyle=styles.get(row["density"], "-"), marker="o" if row["method"].startswith("adaptive") else None,
                 markersize=3, label=f"{label} ({row['test_accuracy_mean']:.3f})")
     ax.set_xscale("log")
     ax.set_xlabel(f"cumulative bytes sent per worker ({result['workers_for_bytes']} workers)")
     ax.set_ylabel("test accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
-    adaptive = next((r for r in rows if r["method"] == "adaptive"), None)
-    if adaptive is not None and adaptive["curves"].get("density"):
+    for adaptive in (r for r in rows if r["method"].startswith("adaptive")):
         epochs = np.arange(1, len(adaptive["curves"]["density"]) + 1)
-        side.plot(epochs, adaptive["curves"]["density"], color=COLORS["adaptive"], marker="o", markersize=3)
+        side.plot(epochs, adaptive["curves"]["density"], color=COLORS[adaptive["method"]], marker="o", markersize=3,
+                  label=adaptive["label"])
         side.set_yscale("log")
+        side.legend(fontsize=7)
         side.set_xlabel("epoch")
         side.set_ylabel("density chosen (mean over the epoch's steps)")
         side.grid(alpha=0.3)
@@ -341,8 +344,7 @@ def format_table(result):
             row = next(r for r in rows if r["method"] == method and r["density"] == d)
             cells.append(f"{row['test_accuracy_mean']:.4f} +- {row['test_accuracy_std']:.4f}".rjust(18))
         lines.append(f"{LABELS[method]:<16}" + "".join(cells))
-    adaptive = next((r for r in rows if r["method"] == "adaptive"), None)
-    if adaptive is not None:
+    for adaptive in (r for r in rows if r["method"] == "adaptive"):
         lines.append(f"{'adaptive':<16}{adaptive['test_accuracy_mean']:.4f} +- {adaptive['test_accuracy_std']:.4f}"
                      f"  ({adaptive['bytes_per_worker_total']:,} bytes per worker; target met: "
                      f"{result['adaptive_targets']['met']})")

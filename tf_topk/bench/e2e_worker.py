@@ -10,9 +10,9 @@ configuration under MultiWorkerMirroredStrategy with a custom loop:
     dgc:<d>       the same with momentum_correction=True, sparse_updates=True:
                   the momentum moves into the exchange, and the update touches
                   only the entries sent
-    adaptive      TopKOptimizer(same optimizer, density="adaptive", exchange_mode="auto"):
-                  the density chosen every step with the default link model
-                  (tf_topk.schedule.AdaptiveDensity), dense all-reduce included
+    adaptive      TopKOptimizer(same optimizer, density="adaptive"): the density
+                  chosen every step with the default link model
+                  (tf_topk.schedule.AdaptiveDensity)
 
 on generated data (a fixed random teacher labels Gaussian inputs; each worker
 has its own batches), `--warmup` steps, then `--steps` timed steps, each
@@ -178,7 +178,7 @@ def build_training(keras, tf_topk, strategy, args, kind, density):
         if kind is None:
             optimizer = inner
         elif kind == "adaptive":
-            optimizer = tf_topk.TopKOptimizer(inner, density="adaptive", method=args.method, exchange_mode="auto")
+            optimizer = tf_topk.TopKOptimizer(inner, density="adaptive", method=args.method)
         else:
             dgc = kind == "dgc"
             optimizer = tf_topk.TopKOptimizer(inner, density=density, method=args.method, momentum_correction=dgc,
