@@ -108,6 +108,8 @@ def test_non_finite_step_is_skipped_without_touching_residuals_or_weights():
     (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), momentum_correction=True), "got SGD with momentum=0.0"),
     (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), local_clipnorm=-1),
      "local_clipnorm must be None or a finite float > 0, got -1"),
+    (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), sparse_updates=True),
+     r"sparse_updates=True is available with Keras 3 .* not with tf_keras"),
 ])
 def test_bad_arguments_are_named(make, message):
     with pytest.raises(ValueError, match=message):
