@@ -24,7 +24,7 @@ import sys
 
 from tf_topk.cli import density, positive_int
 
-OP_NAME = "ImportTfTopk>ApproxTopK"  # the registered name of tf_topk's selection op
+OP_PREFIX = "ImportTfTopk>"  # the registered names of tf_topk's ops start with it
 FEATURES, CLASSES, HIDDEN = 64, 10, 256
 
 
@@ -194,13 +194,13 @@ def load(export_dir, import_tf_topk):
     import tensorflow as tf
 
     if import_tf_topk:
-        import tf_topk.ops  # noqa: F401  registers ImportTfTopk>ApproxTopK, which train_step uses
+        import tf_topk.ops  # noqa: F401  registers tf_topk's ops (ImportTfTopk>...), which train_step uses
     try:
         return tf.saved_model.load(export_dir)
     except Exception as error:  # NotFoundError in TF 2.21; matched by message to be safe across versions
-        if OP_NAME not in str(error):
+        if OP_PREFIX not in str(error):
             raise
-        sys.exit(f"error: {export_dir} uses tf_topk's op {OP_NAME}, which is registered only once tf_topk.ops is "
+        sys.exit(f"error: {export_dir} uses tf_topk's ops ({OP_PREFIX}...), which are registered only once tf_topk.ops is "
                  f"imported.\nRun `import tf_topk.ops` before tf.saved_model.load(...)"
                  f"{' (this run skipped it: --no-import)' if not import_tf_topk else ''}.\n"
                  f"TensorFlow said: {str(error).splitlines()[0]}")
