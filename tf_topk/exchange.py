@@ -578,22 +578,19 @@ class SparseExchange(tf.Module):
         replicas = context.num_replicas_in_sync
         size = selection.size
         carry_entries = 0 if carry is None else int(carry.shape[0])
+        pairs = tf.cast(tf.size(selection.values), tf.float32)
+        totals["k"] += pairs
+        totals["buckets"] += 1.0
         if path == "allgather":
-            pairs = tf.cast(tf.size(selection.values), tf.float32)
-            totals["k"] += pairs
             totals["other_bytes"] += (mode_bytes("allgather", pairs, size, replicas)
                                       + gather_bytes(carry_entries, replicas))
             totals["mode"] += MODE_CODES["allgather"]
-            totals["buckets"] += 1.0
             return self.communicator.exchange_pairs(context, selection.values, selection.indices, size, carry,
                                                     densify=not self.sparse_output)
-        pairs = tf.cast(tf.size(selection.values), tf.float32)
-        totals["k"] += pairs
         totals["other_bytes"] += (tf.where(dense, mode_bytes("dense", pairs, size, replicas),
                                            mode_bytes("allreduce", pairs, size, replicas))
                                   + ring_all_reduce_bytes(4.0 * carry_entries, replicas))
         totals["mode"] += tf.where(dense, MODE_CODES["dense"], MODE_CODES["allreduce"])
-        totals["buckets"] += 1.0
         return self.communicator.sum_values(context, selection.values, selection.agreed, size, carry,
                                             densify=not self.sparse_output or dense is True)
 

@@ -91,7 +91,7 @@ void AccumulateChunk(const T* gradient, const R* residual, int64_t begin,
 // float32: four-wide vectors (GCC/Clang vector extensions), masks from the
 // raw bits, so non-finite entries add nothing without a branch.
 typedef float Float4 __attribute__((vector_size(16)));
-typedef int32_t Int4 __attribute__((vector_size(16)));
+using cpu::Int4;  // the selection's four-lane integer vector
 
 template <>
 void AccumulateChunk<float, float>(const float* gradient, const float* residual,

@@ -150,8 +150,8 @@ def _bytes_callback(keras, optimizer, model, workers):
                 self.total += ring_all_reduce_bytes(4.0 * params, workers)
                 return
             stats = optimizer.compression_stats()
-            exchange = optimizer.exchange
-            small = sum(exchange._specs[p].size for p in exchange.dense_positions) + 1
+            sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+            small = sum(n for n in sizes if n < optimizer.min_size) + 1  # the dense path and the count
             self.total += mode_bytes("allgather", stats["selected"], 0, workers) + \
                 ring_all_reduce_bytes(4.0 * small, workers)
             self._epoch_densities.append(stats["density"])
