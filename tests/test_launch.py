@@ -163,6 +163,66 @@ def test_cli_signal_stops_all_workers(sig, tmp_path):
             proc.wait()
 
 
+# A preemption-style worker: it notes each SIGTERM and keeps running, so only
+# SIGKILL stops it. The note tells the test that the launcher's grace period
+# has begun; the pid file tells it which processes to check and clean up.
+_SIGTERM_NOTING_WORKER = """\
+import json, os, signal, sys, time
+out = sys.argv[1]
+index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(out, f"sigterm_{index}"), "w").close())
+with open(os.path.join(out, f"pid_{index}.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(out, f"pid_{index}.tmp"), os.path.join(out, f"pid_{index}"))
+while True:
+    time.sleep(1000)
+"""
+
+
+def _wait_for_files(proc, paths, what, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        assert proc.poll() is None, f"the launcher exited with {proc.returncode} before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
+def test_cli_second_signal_during_grace_still_kills_all_workers(second, tmp_path):
+    """A second SIGTERM or Ctrl-C while the launcher waits out the grace period
+    must not cut the stop short: workers that ignore SIGTERM still get SIGKILL."""
+    grace = 2.0
+    script = tmp_path / "noting_worker.py"
+    script.write_text(_SIGTERM_NOTING_WORKER)
+    proc = subprocess.Popen(
+        _cli("--workers", "2", "--grace", grace, "--timeout", "100", script, tmp_path),
+        cwd=REPO_ROOT, env={**os.environ, **worker_env()}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    pid_files = [tmp_path / f"pid_{i}" for i in range(2)]
+    try:
+        _wait_for_files(proc, pid_files, "the workers started")
+        pids = [int(p.read_text()) for p in pid_files]
+        proc.send_signal(signal.SIGTERM)
+        _wait_for_files(proc, [tmp_path / f"sigterm_{i}" for i in range(2)], "SIGTERM reached the workers")
+        assert proc.poll() is None  # the launcher is in its grace period
+        proc.send_signal(second)
+        out, err = proc.communicate(timeout=grace + 30)
+        assert not wait_dead(pids, timeout=2.0), f"workers {pids} outlived the launcher; it said: {err}"
+        assert proc.returncode == 128 + signal.SIGTERM, err  # the first signal decides
+        assert "workers stopped" in err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for path in pid_files:  # never leave a worker behind, whatever failed
+            if path.exists() and launch.pid_alive(int(path.read_text())):
+                try:
+                    os.killpg(int(path.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
 def test_launch_module_needs_no_tensorflow():
     code = (
         "import importlib.util, sys; "

@@ -38,7 +38,9 @@ What the launcher guarantees:
 * ``--timeout S`` stops everything after S seconds and exits with 124. The S
   seconds cover the whole run, restarts included.
 * Ctrl-C or SIGTERM to the launcher stops all workers (exit 130 / 143), and
-  never restarts them.
+  never restarts them. Another signal while the workers are being stopped
+  (a second Ctrl-C during the grace period) does not cut that short: it is
+  handled once every worker is gone.
 * Each worker runs in its own session and process group, so whatever it
   starts (data loaders, shell pipelines) is stopped with it.
 
@@ -83,6 +85,7 @@ collective that every worker must take part in. For ``model.fit``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -99,6 +102,8 @@ __all__ = ["LaunchResult", "RESTART_ENV", "describe_returncode", "find_free_port
 
 TIMEOUT_EXIT_CODE = 124  # the same code as coreutils timeout(1)
 DEFAULT_GRACE_S = 5.0
+_REAP_S = 10.0  # after SIGKILL, how long to wait for workers to exit before giving up on them
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # those that stop the launcher
 RESTART_ENV = "TF_TOPK_RESTART"  # the attempt number each worker sees: 0, then 1, 2, ... after restarts
 
 
@@ -120,6 +125,7 @@ class LaunchResult:
     duration_s: float = 0.0
     attempts: int = 1  # 1 + the restarts used
     earlier: list = dataclasses.field(default_factory=list)  # LaunchResult of each failed attempt before the last
+    left_running: list = dataclasses.field(default_factory=list)  # pids alive after SIGKILL (stuck in the kernel)
 
     @property
     def ok(self) -> bool:
@@ -143,6 +149,8 @@ class LaunchResult:
             f"failed_worker={self.failed_worker} timed_out={self.timed_out} "
             f"attempts={self.attempts} duration={self.duration_s:.1f}s"
         ]
+        if self.left_running:
+            parts.append(f"still running after SIGKILL: pids {self.left_running}")
         for number, attempt in enumerate(self.earlier, 1):
             worker = attempt.failed_worker
             parts.append(f"attempt {number}: worker {worker} exited with "
@@ -226,27 +234,65 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _stop_all(procs: Sequence[subprocess.Popen], grace_s: float) -> None:
-    """SIGTERM every worker group, wait up to `grace_s`, then SIGKILL.
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT, SIGTERM and SIGHUP during the block, then deliver them to
+    the handlers that were in place (which may raise).
+
+    A handler that raises (KeyboardInterrupt, the launcher's own) would
+    otherwise cut a stop short between SIGTERM and SIGKILL and leave workers
+    running. Nested blocks pass held signals outwards. Only the main thread
+    runs signal handlers, so in other threads there is nothing to hold.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list = []
+
+    def hold(signum, frame):
+        held.append(signum)
+
+    previous: dict = {}
+    try:
+        for s in _STOP_SIGNALS:
+            if signal.getsignal(s) is not None:  # None: set outside Python, cannot be put back
+                previous[s] = signal.signal(s, hold)
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(held):
+            signal.raise_signal(s)  # runs the restored handler now
+
+
+def _stop_all(procs: Sequence[subprocess.Popen], grace_s: float) -> list:
+    """SIGTERM every worker group, wait up to `grace_s`, then SIGKILL; return
+    the workers still running after that (stuck in the kernel), normally none.
 
     Groups of workers that already exited are signalled too, to catch
-    grandchildren they left behind.
+    grandchildren they left behind. Signals to the launcher are held until
+    every worker is reaped, and the SIGKILL pass runs whatever happens before.
     """
-    for p in procs:
-        _signal_group(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
+    with _signals_held():
         try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        _signal_group(p, signal.SIGKILL)
-    for p in procs:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # unkillable (D state): give up on it
-            pass
+            for p in procs:
+                _signal_group(p, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        finally:
+            for p in procs:
+                _signal_group(p, signal.SIGKILL)
+            deadline = time.monotonic() + _REAP_S
+            for p in procs:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:  # unkillable (D state): give up on it
+                    pass
+    return [p for p in procs if p.returncode is None]
 
 
 def _reader(
@@ -397,30 +443,31 @@ def _run_attempt(
     result = LaunchResult(returncodes=[None] * n, outputs=[], ports=ports)
     start = time.monotonic()
     try:
-        for i in range(n):
-            worker_env = dict(os.environ)
-            worker_env.update(env or {})
-            worker_env["TF_CONFIG"] = make_tf_config(ports, i)
-            worker_env[RESTART_ENV] = str(attempt)
-            worker_env.setdefault("PYTHONUNBUFFERED", "1")  # stream lines live
-            proc = subprocess.Popen(
-                list(argv),
-                env=worker_env,
-                cwd=cwd,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # own process group: killpg reaches grandchildren
-            )
-            procs.append(proc)
-            t = threading.Thread(
-                target=_reader,
-                args=(i, proc.stdout, outputs[i], stream, line_prefix, lock),
-                name=f"tf_topk-launch-reader-{i}",
-                daemon=True,
-            )
-            t.start()
-            readers.append(t)
+        with _signals_held():  # a signal between Popen and append would leave a worker unstopped
+            for i in range(n):
+                worker_env = dict(os.environ)
+                worker_env.update(env or {})
+                worker_env["TF_CONFIG"] = make_tf_config(ports, i)
+                worker_env[RESTART_ENV] = str(attempt)
+                worker_env.setdefault("PYTHONUNBUFFERED", "1")  # stream lines live
+                proc = subprocess.Popen(
+                    list(argv),
+                    env=worker_env,
+                    cwd=cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # own process group: killpg reaches grandchildren
+                )
+                procs.append(proc)
+                t = threading.Thread(
+                    target=_reader,
+                    args=(i, proc.stdout, outputs[i], stream, line_prefix, lock),
+                    name=f"tf_topk-launch-reader-{i}",
+                    daemon=True,
+                )
+                t.start()
+                readers.append(t)
 
         while True:
             codes = [p.poll() for p in procs]
@@ -440,12 +487,17 @@ def _run_attempt(
         result.interrupted = signal.SIGINT
         raise
     finally:
-        _stop_all(procs, grace_s)
-        for t in readers:
-            t.join(timeout=5)
-        result.returncodes = [p.returncode for p in procs] + [None] * (n - len(procs))
-        result.outputs = ["".join(lines) for lines in outputs]
-        result.duration_s = time.monotonic() - start
+        try:
+            with _signals_held():  # the result is complete before a signal that came meanwhile is handled
+                result.left_running = [p.pid for p in _stop_all(procs, grace_s)]
+                for t in readers:
+                    t.join(timeout=5)
+                result.returncodes = [p.returncode for p in procs] + [None] * (n - len(procs))
+                result.outputs = ["".join(lines) for lines in outputs]
+                result.duration_s = time.monotonic() - start
+        except _Interrupted as e:  # came while stopping; the workers are gone now
+            if result.interrupted is None:
+                result.interrupted = e.signum
     return result
 
 
@@ -512,7 +564,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def on_signal(signum, frame):
         raise _Interrupted(signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGINT too, rather than KeyboardInterrupt: the result then says what
+    # was stopped, and the first signal decides the exit code.
+    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
     try:
         result = run_workers(
             args.workers,
@@ -530,10 +584,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
 
+    unstopped = ""
+    if result.left_running:
+        unstopped = f" except pids {', '.join(map(str, result.left_running))} (still running after SIGKILL)"
     if result.interrupted is not None:
-        print(f"tf_topk.launch: got signal {result.interrupted}, workers stopped", file=sys.stderr)
+        print(f"tf_topk.launch: got signal {result.interrupted}, workers stopped{unstopped}", file=sys.stderr)
     elif result.timed_out:
-        print(f"tf_topk.launch: timed out after {args.timeout:g}s, workers stopped", file=sys.stderr)
+        print(f"tf_topk.launch: timed out after {args.timeout:g}s, workers stopped{unstopped}", file=sys.stderr)
     elif result.failed_worker is not None:
         attempts = ""
         if result.attempts > args.restarts > 0:
@@ -542,7 +599,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             attempts = f" (no time left before --timeout for restart {result.attempts} of {args.restarts})"
         print(
             f"tf_topk.launch: worker {result.failed_worker} exited with code "
-            f"{result.returncodes[result.failed_worker]}; stopped the others{attempts}",
+            f"{result.returncodes[result.failed_worker]}; stopped the others{unstopped}{attempts}",
             file=sys.stderr,
         )
     return result.returncode
