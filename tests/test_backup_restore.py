@@ -2,8 +2,10 @@
 
 One process (in this process, seconds each): resuming after a failure, at an
 epoch or a batch, ends with the weights of an uninterrupted run, bitwise, with
-and without TopKOptimizer; residuals are in the backup and come back; a
-commit is atomic; the backup is deleted or kept as asked.
+and without TopKOptimizer; a backup at an epoch's last batch resumes at the
+next epoch, whether or not the epoch's length is known; residuals are in the
+backup and come back; a commit is atomic and synced to disk; the backup is
+deleted or kept as asked.
 
 Two workers (tests/workers/backup_fit.py under `python -m tf_topk.launch
 --restarts 1`, slow): worker 1 is killed with SIGKILL in the middle of epoch
@@ -17,6 +19,7 @@ too): the backup holds every worker's own residuals and velocities
 import io
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -79,7 +82,9 @@ class Epochs(keras.callbacks.Callback):
 
 
 def fit(model, data, *callbacks, epochs=EPOCHS):
-    return model.fit(*data, epochs=epochs, batch_size=BATCH, shuffle=False, verbose=0, callbacks=list(callbacks))
+    """`data`: (x, y) arrays, or (dataset,) of batches already."""
+    batch_size = BATCH if len(data) == 2 else None
+    return model.fit(*data, epochs=epochs, batch_size=batch_size, shuffle=False, verbose=0, callbacks=list(callbacks))
 
 
 def assert_same_weights(a, b):
@@ -124,6 +129,55 @@ def test_resume_after_a_crash_ends_as_an_uninterrupted_run(topk, save_freq, resu
 
     reference = make_model(topk)
     fit(reference, digits, BackupAndRestore(tmp_path / "reference", save_freq=save_freq))
+    assert_same_weights(model, reference)
+
+
+class TrainedBatches(keras.callbacks.Callback):
+    """Batches actually trained in each epoch: optimizer steps, so skipped batches do not count."""
+
+    def __init__(self):
+        super().__init__()
+        self.per_epoch = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = int(self.model.optimizer.iterations.numpy())
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.per_epoch[epoch] = int(self.model.optimizer.iterations.numpy()) - self._start
+
+
+def unknown_cardinality(data):
+    """The same batches as `fit(model, data)`, from a dataset whose length Keras cannot know."""
+    import tensorflow as tf
+
+    dataset = tf.data.Dataset.from_tensor_slices(data).batch(BATCH).filter(lambda x, y: True)
+    assert dataset.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    return (dataset,)
+
+
+@pytest.mark.parametrize("topk", [False, True], ids=["dense", "topk"])
+@pytest.mark.parametrize("steps", ["known", "unknown"])
+def test_a_backup_at_an_epochs_last_batch_resumes_at_the_next_epoch(steps, topk, digits, tmp_path):
+    # Every 4 of 8 batches: a backup at batch 4 and at the last batch of each epoch.
+    # Killed before the first batch of epoch 3 (index 2): the last backup came at
+    # the last batch of epoch 2, that is, at its end.
+    data = digits if steps == "known" else unknown_cardinality(digits)
+    epochs = 4
+    with pytest.raises(RuntimeError, match="crash"):
+        fit(make_model(topk), data, BackupAndRestore(tmp_path / "backup", save_freq=4), FailAt(2, 0), epochs=epochs)
+
+    model, backup = make_model(topk), BackupAndRestore(tmp_path / "backup", save_freq=4)
+    begun, trained = Epochs(), TrainedBatches()
+    history = fit(model, data, backup, begun, trained, epochs=epochs)
+    assert (backup.restored_epoch, backup.restored_batch) == (2, 0)
+    assert begun.begun == [2, 3]  # not epoch index 1 again, made only of skipped batches
+    assert len(history.history["loss"]) == len(history.epoch) == 2
+
+    reference, reference_trained = make_model(topk), TrainedBatches()
+    fit(reference, data, reference_trained, epochs=epochs)
+    assert trained.per_epoch == {epoch: reference_trained.per_epoch[epoch] for epoch in (2, 3)}
+    assert min(trained.per_epoch.values()) >= SAMPLES // BATCH
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
     assert_same_weights(model, reference)
 
 
@@ -188,6 +242,64 @@ def test_a_save_killed_before_its_commit_leaves_the_previous_backup(digits, tmp_
     assert backup.restored_epoch == 2
     for x, y in zip(restored.get_weights(), after_epoch_2, strict=True):
         np.testing.assert_array_equal(x, y)
+
+
+def _record_file_operations(monkeypatch):
+    """Wrap os.fsync, os.replace and os.remove to log, in order, what each one touched:
+    ("fsync", "dir" or "file", inode), ("replace", inode of the source, name of the target), ("remove", name)."""
+    events, real_fsync, real_replace, real_remove = [], os.fsync, os.replace, os.remove
+
+    def fsync(fd):
+        info = os.fstat(fd)
+        events.append(("fsync", "dir" if stat.S_ISDIR(info.st_mode) else "file", info.st_ino))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino, os.path.basename(dst)))
+        return real_replace(src, dst)
+
+    def remove(path):
+        events.append(("remove", os.path.basename(path)))
+        return real_remove(path)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "remove", remove)
+    return events
+
+
+def test_a_commit_syncs_each_file_before_its_rename_and_the_directory_after(digits, tmp_path, monkeypatch):
+    # A rename is on disk only once its directory is synced: the weights' rename
+    # must be before the metadata that names them, and the commit before the
+    # previous weights are deleted.
+    events = _record_file_operations(monkeypatch)
+    fit(make_model(topk=False), digits, BackupAndRestore(tmp_path, delete_checkpoint=False), epochs=2)
+    monkeypatch.undo()
+    directory = os.stat(tmp_path).st_ino
+    weights = os.stat(tmp_path / "backup-epoch2-batch0.weights.h5").st_ino  # a rename keeps the inode
+    metadata = os.stat(tmp_path / METADATA_NAME).st_ino
+    assert len(events) == 13  # the first commit, as the second
+    assert events[-7:] == [
+        ("fsync", "file", weights), ("replace", weights, "backup-epoch2-batch0.weights.h5"),
+        ("fsync", "dir", directory),
+        ("fsync", "file", metadata), ("replace", metadata, METADATA_NAME),
+        ("fsync", "dir", directory),
+        ("remove", "backup-epoch1-batch0.weights.h5"),
+    ]
+
+
+def test_a_directory_that_cannot_be_synced_still_gets_the_backup(digits, tmp_path, monkeypatch):
+    real_fsync = os.fsync
+
+    def fsync(fd):  # as on file systems whose directories refuse fsync
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(22, "Invalid argument")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fit(make_model(topk=False), digits, BackupAndRestore(tmp_path, delete_checkpoint=False), epochs=1)
+    assert sorted(os.listdir(tmp_path)) == ["backup-epoch1-batch0.weights.h5", METADATA_NAME]
+    assert load_json(tmp_path / METADATA_NAME)["epoch"] == 1
 
 
 def test_delete_checkpoint_keeps_files_that_are_not_its_own(digits, tmp_path):

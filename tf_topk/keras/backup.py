@@ -31,9 +31,14 @@ This callback keeps Keras's behaviour and arguments (`backup_dir`,
   the weights file and the epoch and batch to resume at, is written the same
   way. A worker killed at any moment leaves the previous backup or the new
   one, never a mix; the previous weights file is deleted only after.
+  Each file is synced to disk before its rename and the directory after it,
+  so a power loss cannot undo a commit or leave metadata naming lost weights.
 * with `save_freq=N` batches, training resumes at the batch after the backup:
   the batches of the interrupted epoch that were already trained on are
-  drawn from the dataset and skipped, not trained on again.
+  drawn from the dataset and skipped, not trained on again. A backup at an
+  epoch's last batch resumes at the next epoch; when the epoch's length is
+  unknown (a generator, `dataset.filter`), only the epoch's end shows that the
+  batch was its last, and the backup is taken again there.
 
 The saved state is Keras's `model.save_weights` file: the model's weights
 and every optimizer variable, TopKOptimizer's residuals and velocities
@@ -62,9 +67,26 @@ _WEIGHTS_PREFIX = "backup-"
 _TEMP_PREFIX = ".tmp-"
 
 
-def _fsync_file(path: str) -> None:
-    with open(path, "rb") as f:
+def _replace_durably(src: str, dst: str) -> None:
+    """os.replace that survives a power loss: the file's data is synced before
+    the rename, and the directory, which holds the rename, after it.
+
+    A directory that cannot be opened or synced (Windows, some network file
+    systems) is skipped: the rename is still atomic, only not known to be on disk.
+    """
+    with open(src, "r+b") as f:
         os.fsync(f.fileno())
+    os.replace(src, dst)
+    try:
+        fd = os.open(os.path.dirname(dst) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _is_multi_worker(strategy) -> bool:
@@ -91,7 +113,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         (`gs://`, `s3://`) are refused.
       save_freq: "epoch" (default): back up at the end of each epoch. An int
         N: back up every N batches; training then resumes at the batch after
-        the last backup, skipping the batches of that epoch already trained
+        the last backup (the next epoch's first, for a backup at an epoch's
+        last batch), skipping the batches of that epoch already trained
         on (they are drawn from the dataset, so use a dataset that yields
         the same batches in the same order on every pass, e.g.
         `shuffle=False`, or the skipped batches differ from the trained ones).
@@ -141,6 +164,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._since_save = 0
         self._skip_until = 0  # batches of the resumed epoch already trained on
         self._skip_now = 0
+        self._saved_at = None  # (epoch, batch) of this run's last backup
         self._original_train_function = None
 
     # -- where this worker stands ---------------------------------------------
@@ -165,6 +189,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "BackupAndRestore needs a built model before fit() (give it an Input, or call it on a "
                 f"batch): {self.model.name} is not built")
         self._epoch = self._batches_done = self._since_save = 0
+        self._saved_at = None
         metadata = self._read_metadata()
         epoch, batch = 0, 0
         if metadata is not None:
@@ -278,10 +303,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._skip_until = 0
         if self.save_freq == "epoch":
             self._save(epoch + 1, 0)
+        elif (self._saved_at == (epoch, self._batches_done) and not (self.params and self.params.get("steps"))
+              and not self.model.stop_training):
+            # The last backup came at this epoch's last batch, which the epoch's
+            # length did not tell (_restore moves such a backup to the next epoch
+            # when it does): without this, a resume would skip every batch of this
+            # epoch and run it empty. Saved again rather than relabelled: a train
+            # function that finds the data exhausted still counts an optimizer step.
+            self._save(epoch + 1, 0)
 
     def _save(self, epoch, batch):
         """Save on every worker (a collective); only the chief's files are kept."""
         self._since_save = 0
+        self._saved_at = (epoch, batch)
         chief = self._is_chief
         if chief:
             directory = self.backup_dir
@@ -300,16 +334,18 @@ class BackupAndRestore(keras.callbacks.Callback):
                 os.remove(temp_path)
 
     def _commit(self, temp_path, epoch, batch):
-        """Rename the weights into place, then point the metadata at them (the commit)."""
+        """Rename the weights into place, then point the metadata at them (the commit).
+
+        Each rename is on disk before the next step: metadata must never name
+        weights that a power loss could take back, and the previous weights
+        are deleted only once the metadata that replaces them is.
+        """
         name = f"{_WEIGHTS_PREFIX}epoch{epoch}-batch{batch}.weights.h5"
-        _fsync_file(temp_path)
-        os.replace(temp_path, os.path.join(self.backup_dir, name))
+        _replace_durably(temp_path, os.path.join(self.backup_dir, name))
         metadata_temp = os.path.join(self.backup_dir, f"{_TEMP_PREFIX}{uuid.uuid4().hex}.json")
         with open(metadata_temp, "w") as f:
             json.dump({"epoch": epoch, "batch": batch, "weights": name}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(metadata_temp, self._metadata_path)
+        _replace_durably(metadata_temp, self._metadata_path)
         self._remove_files(keep=name)
 
     def _remove_files(self, keep=None):
