@@ -18,6 +18,14 @@ Imported after TensorFlow (`import tensorflow as tf; import tf_topk`), the
 package registers the selection op at once; `import tf_topk.ops` registers it
 in any order. A SavedModel that uses the op needs it registered before
 `tf.saved_model.load`.
+
+Loading a model saved with TopKOptimizer (`keras.models.load_model`,
+`tf.keras.models.load_model`, `tf_keras.models.load_model`) needs the class
+registered with that Keras, which importing its module does. `import tf_topk`
+does that at once for a Keras already imported, and otherwise when that Keras
+is imported (an import hook, `_RegisterOnImport`), so a saved model loads after
+`import tf_topk` in any import order while `import tf_topk` itself imports
+neither Keras nor TensorFlow.
 """
 
 import importlib
@@ -59,15 +67,24 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
-class _RegisterWithTfKeras:
-    """Registers tf_topk.tf_keras.TopKOptimizer with tf_keras as soon as
-    tf_keras is imported (by `import tf_keras`, or by `tf.keras` under
-    TF_USE_LEGACY_KERAS=1), so that a SavedModel compiled with it loads after
+# Each Keras package -> the tf_topk module whose import registers TopKOptimizer with it
+# (`register_keras_serializable(package="tf_topk")`), which loading a saved model needs.
+_REGISTERING_MODULES = {"keras": "tf_topk.keras", "tf_keras": "tf_topk.tf_keras"}
+
+
+class _RegisterOnImport:
+    """Registers TopKOptimizer with a Keras package as soon as that package is
+    imported (`import keras`, `import tf_keras`, or TensorFlow importing one of
+    them for `tf.keras`), so that a saved model compiled with it loads after
     `import tf_topk` in any order, while `import tf_topk` imports no Keras.
-    A meta path finder that acts once, for the name "tf_keras" only."""
+    A meta path finder for the names in `_REGISTERING_MODULES`: it acts once
+    per name and leaves sys.meta_path when none is left."""
+
+    def __init__(self, names):
+        self.pending = set(names)
 
     def find_spec(self, name, path=None, target=None):
-        if name != "tf_keras" or self not in sys.meta_path:
+        if name not in self.pending or self not in sys.meta_path:
             return None
         sys.meta_path.remove(self)  # find the real spec without this finder, then take it back
         try:
@@ -76,31 +93,41 @@ class _RegisterWithTfKeras:
             sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        exec_module = spec.loader.exec_module
+        exec_module = spec.loader.exec_module  # this spec's own loader: patching it touches no other import
 
         def exec_then_register(module):
             exec_module(module)
-            if self in sys.meta_path:
+            self.pending.discard(name)
+            if not self.pending and self in sys.meta_path:
                 sys.meta_path.remove(self)
-            _register_with_tf_keras()
+            _register_with(name)
 
         spec.loader.exec_module = exec_then_register
         return spec
 
 
-def _register_with_tf_keras():
+def _register_with(keras_name):
+    """Import the module that registers TopKOptimizer with `keras_name`; warn on failure."""
     try:
-        importlib.import_module("tf_topk.tf_keras")
-    except Exception as error:  # never break an import of tf_keras or of tf_topk
+        keras_module = sys.modules[keras_name]
+        if keras_name == "keras" and keras_module.config.backend() != "tensorflow":
+            return  # TopKOptimizer needs TensorFlow: nothing to load, and no TensorFlow to import for it
+        importlib.import_module(_REGISTERING_MODULES[keras_name])
+    except Exception as error:  # never break an import of Keras or of tf_topk
         import warnings
 
-        warnings.warn(f"tf_topk: could not register TopKOptimizer with tf_keras: {error}")
+        warnings.warn(f"tf_topk: could not register TopKOptimizer with {keras_name}: {error}")
 
 
-if sys.modules.get("tf_keras") is not None:
-    _register_with_tf_keras()
-elif not any(isinstance(finder, _RegisterWithTfKeras) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterWithTfKeras())
+_unregistered = []
+for _name in _REGISTERING_MODULES:
+    if sys.modules.get(_name) is not None:
+        _register_with(_name)
+    else:
+        _unregistered.append(_name)
+if _unregistered and not any(isinstance(finder, _RegisterOnImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterOnImport(_unregistered))
+del _name, _unregistered
 
 if "tensorflow" in sys.modules:
     importlib.import_module("tf_topk.ops")

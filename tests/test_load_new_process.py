@@ -1,0 +1,120 @@
+"""Models compiled with TopKOptimizer load in a new process after `import tf_topk`, in any import order.
+
+`import tf_topk` imports no Keras, so TopKOptimizer is registered with each
+Keras (`keras`, `tf_keras`) when that Keras is imported: these checks need
+fresh processes, where nothing has touched `tf_topk.TopKOptimizer` yet. The
+models are trained and saved here; each subprocess loads all of them.
+"""
+
+import json
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tf_keras
+
+import tf_topk
+import tf_topk.tf_keras
+
+from multiworker import REPO_ROOT, worker_env
+
+LOAD = r"""
+import importlib, json, sys, warnings
+import numpy as np
+
+order, api, saved = sys.argv[1].split(","), sys.argv[2], json.loads(sys.argv[3])
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for name in order:
+        importlib.import_module(name)
+        if name == "tf_topk":
+            with_tf_topk = sorted(m for m in ("keras", "tf_keras", "tensorflow") if m in sys.modules)
+    import keras, tensorflow as tf, tf_keras
+    loaders = {"keras": keras.models.load_model, "tf.keras": tf.keras.models.load_model,
+               "tf_keras": tf_keras.models.load_model}
+    report = {"imported_with_tf_topk": with_tf_topk, "models": {}}
+    for name, entry in saved.items():
+        model = loaders[api if entry["keras"] == "keras" else "tf_keras"](entry["path"])
+        optimizer = model.optimizer
+        report["models"][name] = {
+            "type": f"{type(optimizer).__module__}.{type(optimizer).__name__}",
+            "config": json.loads(json.dumps(optimizer.get_config(), default=repr)),
+            "predictions": model.predict(np.load(entry["x"]), verbose=0).tolist(),
+            "residuals": [r.numpy().tolist() for r in optimizer.residuals],
+        }
+report["warnings"] = [str(w.message) for w in caught if "tf_topk" in str(w.message)]
+print("REPORT " + json.dumps(report))
+"""
+
+
+def jsonable_config(optimizer):
+    return json.loads(json.dumps(optimizer.get_config(), default=repr))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A Keras 3 `.keras` file and a tf_keras `.keras` file and SavedModel, each trained one epoch
+    with its TopKOptimizer; returns what the loads must give back, by name."""
+    path = tmp_path_factory.mktemp("saved")
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 8), dtype=np.float32), rng.random((64, 2), dtype=np.float32)
+    np.save(path / "x.npy", x)
+    models = {}
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+    model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.25, min_size=100),
+                  loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(path / "keras3.keras")
+    models["keras3"] = dict(keras="keras", path=str(path / "keras3.keras"), model=model)
+
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16), tf_keras.layers.Dense(2)])
+    model.compile(optimizer=tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.25,
+                                                           min_size=100), loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(path / "tf_keras.keras")
+    model.save(path / "tf_keras_saved_model", save_format="tf")
+    models["tf_keras"] = dict(keras="tf_keras", path=str(path / "tf_keras.keras"), model=model)
+    models["tf_keras_saved_model"] = dict(keras="tf_keras", path=str(path / "tf_keras_saved_model"), model=model)
+
+    expected = {}
+    for name, entry in models.items():
+        optimizer = entry["model"].optimizer
+        residuals = [r.numpy() for r in optimizer.residuals]
+        assert len(residuals) == 1 and np.abs(residuals[0]).sum() > 0  # the 8x16 kernel, sparsified
+        expected[name] = dict(keras=entry["keras"], path=entry["path"], x=str(path / "x.npy"),
+                              type=f"{type(optimizer).__module__}.TopKOptimizer",
+                              config=jsonable_config(optimizer), predictions=entry["model"].predict(x, verbose=0),
+                              residuals=residuals)
+    return expected
+
+
+@pytest.mark.parametrize("order,api", [
+    ("keras,tf_keras,tf_topk", "keras"),  # registered by `import tf_topk`
+    ("tf_topk,keras,tf_keras", "keras"),  # registered when each Keras is imported
+    ("tensorflow,tf_topk", "tf.keras"),  # TensorFlow imported Keras 3 before tf_topk
+    ("tf_topk,tensorflow", "tf.keras"),  # ... after tf_topk, from within TensorFlow's own import
+])
+def test_saved_models_load_in_a_new_process(saved, order, api):
+    arguments = {name: {k: entry[k] for k in ("keras", "path", "x")} for name, entry in saved.items()}
+    env = worker_env(CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")
+    # subprocess.run kills the process if it runs past the timeout.
+    proc = subprocess.run([sys.executable, "-c", LOAD, order, api, json.dumps(arguments)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("REPORT "))[7:])
+    assert report["warnings"] == []
+    if order.startswith("tf_topk"):
+        assert report["imported_with_tf_topk"] == []  # `import tf_topk` imports neither Keras nor TensorFlow
+    assert sorted(report["models"]) == sorted(saved)
+    for name, entry in saved.items():
+        loaded = report["models"][name]
+        assert loaded["type"] == entry["type"], name
+        assert loaded["config"] == entry["config"], name
+        np.testing.assert_allclose(np.array(loaded["predictions"]), entry["predictions"], rtol=1e-6, atol=1e-7)
+        if name != "tf_keras_saved_model":  # a SavedModel's optimizer variables: restore_optimizer_variables
+            np.testing.assert_array_equal(np.array(loaded["residuals"][0], np.float32), entry["residuals"][0])
