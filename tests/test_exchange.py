@@ -257,3 +257,116 @@ def test_a_non_finite_replica_makes_every_replica_keep_its_residual(sparse_outpu
     assert skipped["residuals"] == first["residuals"]  # every replica, bitwise
     assert third["residuals"] != first["residuals"]
     assert all(np.count_nonzero(r) > 0 for r in first["residuals"])
+
+
+THREE_REPLICAS_CODE = """
+import json
+import numpy as np, tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
+import tf_topk
+from tf_topk.exchange import to_dense
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+report = {}
+
+# Replica order: at entry 5 the replicas send 1e8, 1 and -1e8; (1e8 + 1) - 1e8 = 0 in float32.
+grads = np.tile(np.linspace(1e-3, 2e-3, 2000, dtype=np.float32), (3, 1))
+grads[:, 5] = [1e8, 1.0, -1e8]
+grads[:, 9] = [0.5, 0.25, 0.125]
+for sparse_output in (False, True):
+    with strategy.scope():
+        exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros(2000))], density=0.001, min_size=1000,
+                                          sparse_output=sparse_output)
+
+    @tf.function
+    def order_step():
+        def replica_fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grad = exchange([tf.gather(tf.constant(grads), r)]).grads[0]
+            return to_dense(grad, [2000]) if sparse_output else grad
+        return strategy.run(replica_fn)
+
+    report[f"order_sparse{int(sparse_output)}"] = [
+        d.numpy()[[5, 9]].tolist() for d in strategy.experimental_local_results(order_step())]
+
+# Byte statistics of float64 variables: 8 bytes per dense entry.
+with strategy.scope():
+    variables = [tf.Variable(tf.zeros(3000, tf.float64)), tf.Variable(tf.zeros(50, tf.float64))]
+    exchange = tf_topk.SparseExchange(variables, density=0.01, min_size=1000)
+
+@tf.function
+def bytes_step():
+    def replica_fn():
+        stats = exchange([tf.ones(3000, tf.float64), tf.ones(50, tf.float64)]).stats
+        return stats["bytes_sent"], stats["bytes_dense"]
+    return strategy.run(replica_fn)
+
+sent, dense = bytes_step()
+report["bytes"] = [float(strategy.experimental_local_results(sent)[0]),
+                   float(strategy.experimental_local_results(dense)[0])]
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def three_replicas(tmp_path_factory):
+    """THREE_REPLICAS_CODE's report (one process, 3 logical CPUs)."""
+    proc = subprocess.run([sys.executable, "-c", THREE_REPLICAS_CODE], cwd=str(tmp_path_factory.mktemp("three")),
+                          env=dict(worker_env(), TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("sparse_output", [False, True])
+def test_densification_sums_the_replicas_in_replica_order(three_replicas, sparse_output):
+    """Every replica sums the gathered pairs one replica at a time, replica 0
+    first (bitwise the same on every device: no scatter sums repeated
+    indices): (1e8 + 1) - 1e8 is 0 in float32, any other order is not."""
+    assert three_replicas[f"order_sparse{int(sparse_output)}"] == [[0.0, 0.875]] * 3
+
+
+def test_byte_statistics_count_float64_entries_at_eight_bytes(three_replicas):
+    sent, dense = three_replicas["bytes"]
+    ring = 2 * 2 / 3  # a ring all-reduce over 3 workers sends 2(P-1)/P of the buffer
+    assert dense == pytest.approx(ring * 8 * 3050, rel=1e-6)
+    # all_gather of 30 pairs to 2 others; the float64 dense variable and the
+    # non-finite count in their own all-reduce (float64 does not ride the float32 buffers).
+    assert sent == pytest.approx(2 * 8 * 30 + ring * (8 * 50 + 4), rel=1e-6)
+
+
+def test_sparse_gradient_rows_are_summed_in_row_order():
+    """Densifying and applying go one row (one replica's pairs) at a time, in
+    order, so the float sum is the same on every replica and device: here the
+    order decides the result ((1e8 + 1) - 1e8 = 0, not 1)."""
+    import tensorflow as tf
+
+    from tf_topk.exchange import SparseGradient, apply_sparse_sgd, to_dense
+
+    gradient = SparseGradient(tf.constant([[1e8, 0.0], [1.0, 0.0], [-1e8, 0.0]]), tf.constant([[2, 0], [2, 0], [2, 0]]))
+    np.testing.assert_array_equal(to_dense(gradient, [2, 2]).numpy(), [[0.0, 0.0], [0.0, 0.0]])
+    variable = tf.Variable([[5.0, 5.0], [0.0, 5.0]])
+    apply_sparse_sgd(variable, gradient, 1.0)
+    np.testing.assert_array_equal(variable.numpy(), [[5.0, 5.0], [0.0, 5.0]])  # ((0 - 1e8) - 1) + 1e8
+
+
+def test_apply_sparse_sgd_updates_a_scalar_variable():
+    import tensorflow as tf
+
+    import tf_topk
+    from tf_topk.exchange import apply_sparse_sgd
+
+    variable = tf.Variable(3.0)
+    exchange = tf_topk.SparseExchange([variable], density=1.0, min_size=1, sparse_output=True)
+    result = exchange([tf.constant(2.0)])
+    apply_sparse_sgd(variable, result.grads[0], 0.5)
+    assert variable.numpy() == 2.0
+
+
+def test_bad_sparse_gradient_rows_are_refused():
+    import tensorflow as tf
+
+    from tf_topk.exchange import SparseGradient, to_dense
+
+    with pytest.raises(ValueError, match=r"SparseGradient values must be \[m\] or \[rows, m\].*shape \(1, 1, 1\)"):
+        to_dense(SparseGradient(tf.zeros([1, 1, 1]), tf.zeros([1, 1, 1], tf.int32)), [4])

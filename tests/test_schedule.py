@@ -160,6 +160,56 @@ def test_adaptive_rule_sends_more_when_a_message_costs_more_and_goes_dense_when_
                  .choose(profile, 100_000, 8.0, 4e5)) <= 0.1
 
 
+@pytest.mark.parametrize("message_bytes", [1e6, 1e7])
+def test_exchange_profiles_every_variable_down_to_the_rank_of_all_entries(message_bytes):
+    """One layer holds every one of the largest entries (gradient scales 100
+    and 1): the exchange's choice does as well as the rule on the exact
+    sorted magnitudes of both layers together. A profile cut at each layer's
+    own share of max_density * n missed half of them and chose too small a k."""
+    rng = np.random.default_rng(0)
+    n = 300_000
+    grads = [rng.standard_normal(n).astype(np.float32) * 100, rng.standard_normal(n).astype(np.float32)]
+    rule = AdaptiveDensity(max_density=0.1, replicas=4, message_bytes=message_bytes, selection_s_per_entry=0.0,
+                           dense=False)
+    exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros(n)) for _ in grads], density=rule,
+                                      exchange_mode="allgather")
+    exchange([tf.constant(g) for g in grads])
+    both = np.concatenate(grads)
+    pair_bytes = 3 * 8.0  # all_gather, 4 workers
+    ratios = {k: exact_gain(both, k) / (message_bytes + pair_bytes * k) for k in grid(2 * n, rule)}
+    best = max(ratios, key=ratios.get)
+    chosen = round(float(exchange.adaptive_density) * 2 * n)
+    assert chosen in ratios
+    assert ratios[chosen] >= 0.995 * ratios[best], (chosen, best)
+
+
+@pytest.mark.parametrize("proposals,expected", [
+    ([3], 3),                 # one replica: its own choice
+    ([3, 64], 3),             # two replicas: the smaller, never a density between
+    ([64, 3], 3),
+    ([1, 64, 5], 5),          # the median of three
+    ([7, 7, 2, 64], 7),       # the lower median of four
+    ([64, 64, 64], 64),       # every replica asked for dense
+])
+def test_replicas_agree_on_the_lower_median_of_their_votes(proposals, expected):
+    rule = AdaptiveDensity(min_density=1e-3, max_density=0.1)
+    candidates = rule.candidates(10_000)
+    assert candidates[-1] == 1.0 and len(candidates) <= GRID_POINTS + 1
+    votes = tf.add_n([tf.one_hot(min(i, len(candidates) - 1), len(candidates)) for i in proposals])
+    expected_density = candidates[min(expected, len(candidates) - 1)]
+    assert float(rule.agree(votes, 10_000)) == expected_density
+
+
+def test_choose_is_the_candidate_at_choose_index():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(50_000).astype(np.float32)
+    profile = tf_topk.error_feedback_topk(x, tf.zeros(50_000), 1, with_profile=True).profile
+    for rule, dense_bytes in ((AdaptiveDensity(message_bytes=1e4), None), (AdaptiveDensity(message_bytes=1e6), 1.0)):
+        index = int(rule.choose_index(profile, 50_000, 8.0, dense_bytes))
+        assert float(rule.choose(profile, 50_000, 8.0, dense_bytes)) == rule.candidates(50_000)[index]
+    assert index == len(rule.candidates(50_000)) - 1  # a message dearer than everything: dense
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(min_density=0.0), r"min_density must be in \(0, 1\], got 0.0"),
     (dict(min_density=0.5, max_density=0.1), r"min_density \(0.5\) must not exceed max_density \(0.1\)"),

@@ -332,6 +332,63 @@ def test_sparse_updates_give_the_dense_update(momentum_correction):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("exchange_mode", ["allreduce", "auto", "allgather"])
+def test_sparse_updates_of_embeddings_sharing_a_bucket_on_two_replicas(exchange_mode, tmp_path):
+    """Two Embedding tables of different sizes in one bucket, 2 replicas
+    (MirroredStrategy over logical CPUs, a fresh process), sparse updates:
+    most rows get no gradient, so the agreed index set has spare slots, which
+    must point inside their own table (they once came back as -offset and
+    fit failed). Replicas stay identical, and the weights match the
+    dense-update run's."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import keras, tf_topk
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        rng = np.random.default_rng(0)
+        x = np.stack([rng.integers(0, 40, 64), rng.integers(0, 3, 64)], axis=1).astype("int32")  # 3 rows: 48 < k = 112
+        y = rng.standard_normal((64, 1)).astype("float32")
+
+        def fit(sparse_updates):
+            keras.utils.set_random_seed(0)
+            with strategy.scope():
+                ids = keras.Input((2,), dtype="int32")
+                a = keras.layers.Embedding(1000, 16)(ids[:, 0])
+                b = keras.layers.Embedding(700, 16)(ids[:, 1])
+                model = keras.Model(ids, keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+                model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01, min_size=1000,
+                                                              exchange_mode=sys.argv[1], sparse_updates=sparse_updates),
+                              loss="mse")
+            model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+            return [strategy.experimental_local_results(w.value) for w in model.trainable_variables]
+
+        sparse, dense = fit(True), fit(False)
+        for s, d in zip(sparse, dense):
+            np.testing.assert_array_equal(s[0].numpy(), s[1].numpy())  # replicas identical
+            # The pairs applied one replica's row at a time round differently from their dense sum.
+            np.testing.assert_allclose(s[0].numpy(), d[0].numpy(), rtol=1e-5, atol=1e-7)
+        keras.utils.set_random_seed(0)
+        untrained = keras.layers.Embedding(1000, 16)
+        untrained.build((None,))
+        assert not np.allclose(sparse[0][0].numpy(), untrained.embeddings.numpy())  # it trained
+        print("ok")
+    """)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-c", code, exchange_mode], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("ok")
+
+
 def test_sparse_updates_round_trip_in_the_config_and_respect_constraints():
     opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), sparse_updates=True)
     assert tf_topk.TopKOptimizer.from_config(opt.get_config()).sparse_updates is True

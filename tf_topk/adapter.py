@@ -193,8 +193,10 @@ class TopKWrapper:
 
     The subclass provides `inner_optimizer`, `_make_variable(name, shape,
     dtype, kind)` with kind "state" (per-replica, summed when read: residuals
-    and velocities), "counter" (skipped_steps) or "stat" (per-replica, the
-    first replica's when read), and `_serialize_inner(optimizer)` /
+    and velocities), "replicated_state" (per-replica storage of a value that
+    is the same on every replica, the first replica's when read and restored
+    as it is: dense-path velocities), "counter" (skipped_steps) or "stat"
+    (per-replica, the first replica's when read), and `_serialize_inner(optimizer)` /
     `_deserialize_inner(config, custom_objects)` for its Keras.
     """
 
@@ -219,8 +221,9 @@ class TopKWrapper:
         # The exchange's state by suffix ("residual", "momentum"), tracked one by one by _make_variable.
         object.__setattr__(self, "_exchange_state", {})
 
-        def make_state(variable, dtype, suffix):
-            state = self._make_variable(state_name(variable, suffix), variable.shape, tf.as_dtype(dtype).name, "state")
+        def make_state(variable, dtype, suffix, replicated=False):
+            state = self._make_variable(state_name(variable, suffix), variable.shape, tf.as_dtype(dtype).name,
+                                        "replicated_state" if replicated else "state")
             self._exchange_state.setdefault(suffix, []).append(state)
             return self._tf_variable(state)
 

@@ -43,21 +43,34 @@ def carry_in_gather(entries, replicas):
 
 
 class AllGatherCommunicator:
-    """One `all_gather` per bucket of pairs; densified in one scatter.
+    """One `all_gather` per bucket of pairs; densified one replica at a time.
 
     The bucket's values and bit-cast indices (and, when the exchange asks,
     the dense-path gradients with the non-finite count) travel in one float32
-    buffer. Every replica scatters all gathered pairs in ONE `tf.scatter_nd`,
-    replica 0's first: TensorFlow's CPU kernel adds updates in input order,
-    so every replica computes bitwise the same sum (within one replica's
-    pairs the indices are distinct; spare slots add 0).
+    buffer. Every replica densifies the gathered pairs with one scatter per
+    replica, in replica order: within one replica's pairs the indices are
+    distinct (spare slots add 0), so no scatter sums repeated indices, and
+    every replica computes bitwise the same sum on any device (a single
+    scatter of all pairs would sum repeated indices by atomics on GPUs, in no
+    fixed order, and mirrored weights would drift apart).
     """
 
     def all_reduce_dense(self, context, tensors):
-        """SUM over replicas of `tensors` (a list), packed into one call."""
+        """SUM over replicas of `tensors` (a list): one call per dtype (the
+        strategy packs a call's tensors into one buffer, so they must share
+        a dtype; float64 or float16 variables beside the float32 count)."""
+        tensors = list(tensors)
         if context.num_replicas_in_sync == 1:
-            return list(tensors)
-        return context.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
+            return tensors
+        by_dtype = {}
+        for position, tensor in enumerate(tensors):
+            by_dtype.setdefault(tensor.dtype, []).append(position)
+        summed = [None] * len(tensors)
+        for positions in by_dtype.values():
+            for position, value in zip(positions, context.all_reduce(tf.distribute.ReduceOp.SUM,
+                                                                     [tensors[p] for p in positions])):
+                summed[position] = value
+        return summed
 
     def exchange_pairs(self, context, values, indices, size, carry=None, densify=True):
         """The dense float32 [size] sum over replicas of scatter(values,
@@ -75,9 +88,10 @@ class AllGatherCommunicator:
         rows = tf.reshape(context.all_gather(tf.concat(parts, 0), axis=0), [replicas, -1])
         k = tf.size(values)
         if densify:
-            all_values = tf.reshape(rows[:, :k], [-1])
-            all_indices = tf.bitcast(tf.reshape(rows[:, k:2 * k], [-1]), tf.int32)
-            dense = tf.scatter_nd(tf.expand_dims(all_indices, 1), all_values, shape)
+            all_indices = tf.bitcast(rows[:, k:2 * k], tf.int32)
+            dense = tf.scatter_nd(tf.expand_dims(all_indices[0], 1), rows[0, :k], shape)
+            for replica in range(1, replicas):
+                dense = tf.tensor_scatter_nd_add(dense, tf.expand_dims(all_indices[replica], 1), rows[replica, :k])
         else:
             dense = rows[:, :k], tf.bitcast(rows[:, k:2 * k], tf.int32)
         if carry is None:

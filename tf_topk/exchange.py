@@ -64,43 +64,6 @@ from tf_topk.selector import TopKSelector
 DEFAULT_MIN_SIZE = 4096
 
 ExchangeResult = collections.namedtuple("ExchangeResult", ["grads", "all_finite", "stats"])
-
-SparseGradient = collections.namedtuple("SparseGradient", ["values", "indices"])
-SparseGradient.__doc__ = """A sparsified variable's gradient summed over replicas, as pairs
-(`SparseExchange(..., sparse_output=True)`).
-
-values: [m] in the variable's dtype; indices: int32 [m] into the flattened
-  variable. The gradient is the sum of all pairs: an index may repeat (the
-  pairs of different replicas), and spare slots hold value 0 at index 0.
-Apply it with `apply_sparse_sgd`, or make it dense with `to_dense`.
-"""
-
-
-def to_dense(gradient, shape):
-    """A SparseGradient as a dense tensor of `shape` (one scatter)."""
-    flat = tf.scatter_nd(tf.expand_dims(gradient.indices, 1), gradient.values,
-                         tf.reshape(tf.constant(tf.TensorShape(shape).num_elements(), tf.int32), [1]))
-    return tf.reshape(flat, shape)
-
-
-def apply_sparse_sgd(variable, gradient, learning_rate):
-    """variable -= learning_rate * gradient for a SparseGradient, touching only
-    its entries (one scatter-subtract in place: O(pairs), not O(entries)).
-
-    Repeated indices subtract one after the other, in the pairs' order, which
-    is the same on every replica.
-
-    Example (a custom loop with plain SGD):
-      >>> result = exchange(grads)
-      >>> for variable, grad in zip(variables, result.grads):
-      ...     if isinstance(grad, tf_topk.exchange.SparseGradient):
-      ...         tf_topk.exchange.apply_sparse_sgd(variable, grad, 0.1)
-      ...     else:
-      ...         variable.assign_sub(0.1 * grad)
-    """
-    coordinates = tf.transpose(tf.unravel_index(gradient.indices, tf.shape(variable, out_type=tf.int32)))
-    step = tf.cast(learning_rate, variable.dtype) * tf.cast(gradient.values, variable.dtype)
-    return variable.scatter_nd_sub(coordinates, step)
 ExchangeResult.__doc__ = """What one exchange returns.
 
 grads: per variable, the gradient summed over replicas (None where the input
@@ -110,6 +73,76 @@ all_finite: bool scalar, False when any replica had a non-finite gradient
   they were and nothing was sent).
 stats: dict of float32 scalars describing this replica's step (see STAT_NAMES).
 """
+
+SparseGradient = collections.namedtuple("SparseGradient", ["values", "indices"])
+SparseGradient.__doc__ = """A sparsified variable's gradient summed over replicas, as pairs
+(`SparseExchange(..., sparse_output=True)`).
+
+values: [rows, m] in the variable's dtype; indices: int32 [rows, m] into the
+  flattened variable. The gradient is the sum of all pairs. Within a row the
+  indices are distinct but for spare slots (value 0 at index 0); rows repeat
+  indices. The all_gather exchange gives one row per replica (its own
+  pairs), the agreed-index exchange one row (already summed). A 1-D
+  SparseGradient counts as one row.
+Apply it with `apply_sparse_sgd`, or make it dense with `to_dense`: both go
+row by row, in row order, so the sum is the same on every replica and every
+device (a single scatter of pairs with repeated indices is, on GPUs,
+summed by atomics in no fixed order).
+"""
+
+
+def _rows(gradient):
+    """The (values, indices) rows of a SparseGradient, in order."""
+    values, indices = tf.convert_to_tensor(gradient.values), tf.convert_to_tensor(gradient.indices)
+    if values.shape.rank == 1:
+        return [(values, indices)]
+    if values.shape.rank != 2 or values.shape[0] is None:
+        raise ValueError(f"SparseGradient values must be [m] or [rows, m] with a known number of rows, "
+                         f"got shape {values.shape}")
+    return [(values[row], indices[row]) for row in range(values.shape[0])]
+
+
+def to_dense(gradient, shape):
+    """A SparseGradient as a dense tensor of `shape` (one scatter per row, in order)."""
+    size = tf.TensorShape(shape).num_elements()
+    flat = None
+    for values, indices in _rows(gradient):
+        coordinates = tf.expand_dims(indices, 1)
+        flat = (tf.scatter_nd(coordinates, values, tf.constant([size], tf.int32)) if flat is None
+                else tf.tensor_scatter_nd_add(flat, coordinates, values))
+    return tf.reshape(flat, shape)
+
+
+def apply_sparse_sgd(variable, gradient, learning_rate):
+    """variable -= learning_rate * gradient for a SparseGradient, touching only
+    its entries (a scatter-subtract in place per row: O(pairs), not
+    O(entries)).
+
+    Rows subtract one after the other, in order, on every replica the same,
+    and within a row indices are distinct (spare slots subtract 0), so the
+    result is bitwise the same on every replica and device. A scalar
+    variable (min_size=1) is updated with its dense gradient.
+
+    Example (a custom loop with plain SGD):
+      >>> result = exchange(grads)
+      >>> for variable, grad in zip(variables, result.grads):
+      ...     if isinstance(grad, tf_topk.exchange.SparseGradient):
+      ...         tf_topk.exchange.apply_sparse_sgd(variable, grad, 0.1)
+      ...     else:
+      ...         variable.assign_sub(0.1 * grad)
+    """
+    rate = tf.cast(learning_rate, variable.dtype)
+    if variable.shape.rank == 0:
+        return variable.assign_sub(rate * tf.cast(to_dense(gradient, []), variable.dtype))
+    shape = tf.shape(variable, out_type=tf.int32)
+    update = None
+    for values, indices in _rows(gradient):
+        coordinates = tf.transpose(tf.unravel_index(indices, shape))
+        with tf.control_dependencies([] if update is None else [update]):
+            update = variable.scatter_nd_sub(coordinates, rate * tf.cast(values, variable.dtype))
+    return update
+
+
 
 STAT_NAMES = (
     "density",           # non-zero selected entries / entries of sparsified variables
@@ -219,14 +252,19 @@ class SparseExchange(tf.Module):
         else ErrorFeedbackMemory or NoMemory; AgreedIndexCommunicator, or
         AllGatherCommunicator with exchange_mode="allgather"). A communicator
         without `agree_indices` and `sum_values` only does "allgather".
-      make_state: the factory `(variable, dtype, suffix) -> variable` the
-        memory makes its per-replica state with (the Keras wrapper passes one
-        that makes tracked Keras variables).
+      make_state: the factory `(variable, dtype, suffix, replicated=False)
+        -> variable` the memory makes its per-replica state with (the Keras
+        wrapper passes one that makes tracked Keras variables); `replicated`
+        state is the same on every replica (see
+        `tf_topk.memory.make_state_variable`).
       sparse_output: return each sparsified variable's summed gradient as a
-        `SparseGradient` (every replica's pairs; indices may repeat) instead
-        of a dense tensor: no pass over the variable's entries is made, and
-        `apply_sparse_sgd` updates only the entries sent. For plain SGD
-        (and momentum correction, whose exchanged sum plain SGD applies).
+        `SparseGradient` (a row of pairs per replica, or one summed row with
+        agreed indices) instead of a dense tensor: no pass over the
+        variable's entries is made, and `apply_sparse_sgd` updates only the
+        entries sent. For plain SGD (and momentum correction, whose exchanged
+        sum plain SGD applies). A bucket that "auto" sends dense when traced
+        comes back as dense tensors: every entry was sent, and there are no
+        pairs to hand out (check with `isinstance(g, SparseGradient)`).
     """
 
     _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls", "_adaptive_density"}
@@ -286,6 +324,7 @@ class SparseExchange(tf.Module):
             self._specs.append(_VariableSpec(variable.name, tf.TensorShape(variable.shape), size, dtype,
                                              size >= min_size))
         self.sparse_positions = [i for i, s in enumerate(self._specs) if s.sparse]
+        self._sparse_entries = sum(self._specs[i].size for i in self.sparse_positions)
         self.dense_positions = [i for i, s in enumerate(self._specs) if not s.sparse]
         self._buckets = self._make_buckets()
         make_state = make_state or make_state_variable
@@ -376,14 +415,19 @@ class SparseExchange(tf.Module):
         small = [grads[i] for i in dense_positions]
         non_finite = tf.add_n([_non_finite_count(g) for g in small]
                               + [tf.cast(s.stats[2], tf.float32) for sel in selections for s in sel.pieces])
-        scalars = [non_finite] + ([self._propose_density(plans, selections, replicas)] if self.adaptive else [])
+        # The non-finite count, then (adaptive density) this replica's vote.
+        scalars = tf.reshape(non_finite, [1])
+        if self.adaptive:
+            votes, entries = self._propose_density(plans, selections, replicas)
+            scalars = tf.concat([scalars, votes], 0)
         carrier = self._carrier(plans, small, replicas)
         out = [None] * len(grads)
         carried = None
         if carrier is None:
-            reduced = self.communicator.all_reduce_dense(context, small + [tf.stack(scalars)])
-            totals["other_bytes"] += ring_all_reduce_bytes(4.0 * (sum(self._specs[i].size for i in dense_positions)
-                                                                  + len(scalars)), replicas)
+            reduced = self.communicator.all_reduce_dense(context, small + [scalars])
+            totals["other_bytes"] += ring_all_reduce_bytes(
+                sum(self._specs[i].size * self._specs[i].dtype.size for i in dense_positions)
+                + 4.0 * int(scalars.shape[0]), replicas)
         # 3. One collective per bucket (two with agreed indices); scatter.
         for index, ((members, ks, path, dense), selection) in enumerate(zip(plans, selections)):
             carry = _pack(small, scalars) if index == carrier else None
@@ -395,14 +439,14 @@ class SparseExchange(tf.Module):
             else:
                 self._split_dense(members, summed, out)
         if carried is not None:
-            reduced = _unpack(carried, small, len(scalars))
+            reduced = _unpack(carried, small, int(scalars.shape[0]))
         summed_scalars = reduced[-1]
         all_finite = tf.equal(summed_scalars[0], 0.0)
         for position, tensor in zip(dense_positions, reduced[:-1]):
             out[position] = self.memory.apply_dense(self._dense_slot[position], tensor, all_finite)
         # 4. State changes only when every replica's step was finite: the
         #    memory's, and the density the replicas agreed on for the next step.
-        agreed_density = summed_scalars[1] / replicas if self.adaptive else None
+        agreed_density = self.adaptive.agree(summed_scalars[1:], entries) if self.adaptive else None
         self._update_memory(selections, all_finite, agreed_density)
         return ExchangeResult(out, all_finite, self._stats(grads, totals, replicas))
 
@@ -473,9 +517,10 @@ class SparseExchange(tf.Module):
         return tf.clip_by_value(k, 1, size)
 
     def _propose_density(self, plans, selections, replicas):
-        """This replica's proposal for the next step's density (float32), by
-        the adaptive rule on the profile of every sparsified variable, with
-        the byte costs of the exchange mode in use."""
+        """This replica's vote for the next step's density (float32 one-hot
+        over `self.adaptive.candidates(entries)`) by the adaptive rule on the
+        profile of every sparsified variable, with the byte costs of the
+        exchange mode in use; and `entries`, which the agreement needs."""
         pieces = [piece for selection in selections for piece in selection.pieces]
         profile = tf.add_n([piece.profile for piece in pieces])
         total_energy = tf.add_n([piece.stats[0] for piece in pieces])
@@ -487,7 +532,8 @@ class SparseExchange(tf.Module):
         # ("auto"), else every pair through the same path.
         dense_bytes = (mode_bytes("dense", entries, entries, workers) if self.exchange_mode == "auto"
                        else mode_bytes(path, entries, entries, workers))
-        return tf.cast(self.adaptive.choose(profile, entries, pair_bytes, dense_bytes, total_energy), tf.float32)
+        index = self.adaptive.choose_index(profile, entries, pair_bytes, dense_bytes, total_energy)
+        return tf.one_hot(index, len(self.adaptive.candidates(entries)), dtype=tf.float32), entries
 
     def _split_dense(self, members, summed, out):
         """A bucket's dense sum cut into its variables' gradients."""
@@ -498,7 +544,7 @@ class SparseExchange(tf.Module):
             offset += spec.size
 
     def _split_pairs(self, members, selection, pairs, out):
-        """A bucket's summed pairs ([P, K] values and bucket indices) cut into
+        """A bucket's pairs ([rows, K] values and bucket indices) cut into
         its variables' SparseGradients."""
         values, indices = pairs
         lengths = tf.stack([tf.size(piece.values) for piece in selection.pieces])
@@ -506,8 +552,7 @@ class SparseExchange(tf.Module):
         for position, member_values, member_indices in zip(members, tf.split(values, lengths, axis=1),
                                                            tf.split(indices, lengths, axis=1)):
             spec = self._specs[position]
-            out[position] = SparseGradient(tf.cast(tf.reshape(member_values, [-1]), spec.dtype),
-                                           tf.reshape(member_indices, [-1]) - offset)
+            out[position] = SparseGradient(tf.cast(member_values, spec.dtype), member_indices - offset)
             offset += spec.size
 
     def _carrier(self, plans, small, replicas):
@@ -533,6 +578,13 @@ class SparseExchange(tf.Module):
                 return index
         return None
 
+    def _profile_density(self, size):
+        """How deep a variable of `size` entries is profiled: down to the rank
+        the adaptive rule may reach over ALL sparsified entries (max_density *
+        n), not its own share of it, since one variable may hold most of the
+        largest entries; the summed profiles are then exact to that rank."""
+        return min(1.0, self.adaptive.max_density * self._sparse_entries / size)
+
     def _select(self, slot, grad, k):
         """The memory's compensation and the fused selection of one sparsified
         variable: an ErrorFeedbackSelection (values, indices, remaining, stats)."""
@@ -541,7 +593,7 @@ class SparseExchange(tf.Module):
         selection = ops.error_feedback_topk(
             compensation.gradient, compensation.residual, k if fused else 0, method=self.method,
             with_profile=self.adaptive is not None,
-            profile_density=self.adaptive.max_density if self.adaptive is not None else 1.0)
+            profile_density=self._profile_density(int(grad.shape.num_elements())) if self.adaptive else 1.0)
         if not fused:  # another selector: the op adds, the selector picks
             accumulated = selection.remaining
             values, indices = self.selector.select(accumulated, k)
@@ -556,11 +608,9 @@ class SparseExchange(tf.Module):
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         if path == "allgather":
             picked = [self._select(slot, grads[p], k) for slot, p, k in zip(slots, members, ks)]
-            agreed = None
         else:
             everything = [self._select(slot, grads[p], 0) for slot, p in zip(slots, members)]
-            agreed, taken = self._agree([s.remaining for _, s in everything], ks, sizes, offsets, dense, leader,
-                                        context)
+            taken = self._agree([s.remaining for _, s in everything], ks, sizes, offsets, dense, leader, context)
             picked = [(c, _taken_out(s, s.remaining, values, indices))
                       for (c, s), (values, indices) in zip(everything, taken)]
         pieces = [s for _, s in picked]
@@ -570,7 +620,7 @@ class SparseExchange(tf.Module):
             totals["selected"] += tf.cast(tf.math.count_nonzero(s.values), tf.float32)
             totals["accumulated_sq"] += tf.cast(s.stats[0], tf.float32)
             totals["dropped_sq"] += tf.cast(tf.maximum(s.stats[1], 0.0), tf.float32)
-        return _BucketSelection(slots, [c for c, _ in picked], pieces, values, indices, agreed, sum(sizes))
+        return _BucketSelection(slots, [c for c, _ in picked], pieces, values, indices, sum(sizes))
 
     def _send_bucket(self, members, path, dense, selection, carry, context, totals):
         """One bucket's collective: its dense float32 sum over replicas, and the
@@ -591,16 +641,21 @@ class SparseExchange(tf.Module):
                                            mode_bytes("allreduce", pairs, size, replicas))
                                   + ring_all_reduce_bytes(4.0 * carry_entries, replicas))
         totals["mode"] += tf.where(dense, MODE_CODES["dense"], MODE_CODES["allreduce"])
-        return self.communicator.sum_values(context, selection.values, selection.agreed, size, carry,
+        # The bucket indices of the pieces: the agreed ones where the leader had
+        # an entry; a spare slot points at its own variable's first entry (its
+        # value is 0 on every replica), so the split never leaves a variable.
+        indices = None if dense is True else selection.indices
+        return self.communicator.sum_values(context, selection.values, indices, size, carry,
                                             densify=not self.sparse_output or dense is True)
 
     def _agree(self, accumulated, ks, sizes, offsets, dense, leader, context):
-        """The agreed-index mode's selection: the bucket's agreed indices (None
-        when all entries are sent) and, per variable, this replica's (values,
-        indices) there. `dense` sends every entry; no index travels then."""
+        """The agreed-index mode's selection: per variable, this replica's
+        (values, indices) at the bucket's agreed indices (spare slots: value 0
+        at the variable's index 0). `dense` sends every entry; no index
+        travels then."""
         everything = [(a, tf.range(n)) for a, n in zip(accumulated, sizes)]
         if dense is True:
-            return None, everything
+            return everything
         if dense is False:
             local = [self.selector.select(a, k) for a, k in zip(accumulated, ks)]
         else:
@@ -622,7 +677,7 @@ class SparseExchange(tf.Module):
                                                  tf.split(agreed_valid, tf.stack(lengths))):
             indices = tf.where(piece_valid, piece - offset, 0)
             selected.append((tf.where(piece_valid, tf.gather(a, indices), tf.zeros([], a.dtype)), indices))
-        return agreed, selected
+        return selected
 
     def _update_memory(self, selections, all_finite, agreed_density=None):
         """The memory's update of every slot (and the adaptive density of the
@@ -641,7 +696,8 @@ class SparseExchange(tf.Module):
     def _stats(self, grads, totals, replicas):
         present = [i for i, g in enumerate(grads) if g is not None]
         sparse_entries = float(sum(self._specs[p].size for p in present if self._specs[p].sparse))
-        dense_entries = float(sum(self._specs[p].size for p in present if not self._specs[p].sparse))
+        # What the dense all-reduce sends: each gradient in its own dtype.
+        dense_all_bytes = float(sum(self._specs[p].size * self._specs[p].dtype.size for p in present))
         k_total = totals["k"]
         # With a memory, what was dropped from the accumulated gradient is the residual.
         residual_sq = totals["dropped_sq"] if self.error_feedback else tf.constant(0.0, tf.float32)
@@ -649,8 +705,7 @@ class SparseExchange(tf.Module):
             "density": totals["selected"] / max(sparse_entries, 1.0),
             "selected": totals["selected"],
             "bytes_sent": totals["other_bytes"],
-            "bytes_dense": tf.constant(ring_all_reduce_bytes(4.0 * (sparse_entries + dense_entries), replicas),
-                                       tf.float32),
+            "bytes_dense": tf.constant(ring_all_reduce_bytes(dense_all_bytes, replicas), tf.float32),
             "residual_norm": tf.sqrt(residual_sq),
             "contraction": totals["dropped_sq"] / tf.maximum(totals["accumulated_sq"], 1e-30),
             "random_k_bound": 1.0 - k_total / max(sparse_entries, 1.0),
@@ -659,11 +714,11 @@ class SparseExchange(tf.Module):
 
 
 _BucketSelection = collections.namedtuple(
-    "_BucketSelection", ["slots", "compensations", "pieces", "values", "indices", "agreed", "size"])
+    "_BucketSelection", ["slots", "compensations", "pieces", "values", "indices", "size"])
 # One bucket after selection: per member its slot, the memory's Compensation
 # and its ErrorFeedbackSelection; the bucket's float32 values and int32
-# indices (offset into the bucket) to send; the agreed indices (agreed-index
-# path; None otherwise or when everything is sent); the bucket's entries.
+# indices (offset into the bucket) to send (on the agreed-index path the
+# same indices on every replica); the bucket's entries.
 
 
 def _taken_out(selection, accumulated, values, indices):
@@ -681,9 +736,9 @@ def _non_finite_count(tensor):
 
 
 def _pack(small, scalars):
-    """The dense-path gradients (float32, flat) and the scalars (the non-finite
-    count, the density proposal) in one buffer."""
-    return tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in small] + [tf.stack(scalars)], 0)
+    """The dense-path gradients (float32, flat) and the scalars (float32 [m]:
+    the non-finite count, the density votes) in one buffer."""
+    return tf.concat([tf.reshape(tf.cast(g, tf.float32), [-1]) for g in small] + [scalars], 0)
 
 
 def _unpack(summed, small, count):

@@ -64,15 +64,21 @@ def state_name(variable, suffix):
     return f"{base.replace('/', '_')}_{suffix}"
 
 
-def make_state_variable(variable, dtype, suffix):
+def make_state_variable(variable, dtype, suffix, replicated=False):
     """The default state factory: a zero, per-replica tf.Variable shaped like
-    `variable` (call in the strategy's scope)."""
+    `variable` (call in the strategy's scope).
+
+    State that differs per replica (residuals) is summed when read or saved
+    as one value, so the total is kept when the replica count changes;
+    `replicated` state holds the same value on every replica (dense-path
+    velocities) and is read, and restored into another replica count, as
+    that value (the first replica's)."""
     return tf.Variable(
         tf.zeros(variable.shape, dtype),
         trainable=False,
         name=state_name(variable, suffix),
         synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.SUM,
+        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA if replicated else tf.VariableAggregation.SUM,
     )
 
 
@@ -179,7 +185,9 @@ class MomentumCorrectionMemory(ErrorFeedbackMemory):
         self.velocities = [make_state(v, residual_dtype(v.dtype), "momentum") for v in variables]
 
     def build_dense(self, variables, make_state):
-        self.dense_velocities = [make_state(v, residual_dtype(v.dtype), "momentum") for v in variables]
+        # The same on every replica (computed from the summed gradient).
+        self.dense_velocities = [make_state(v, residual_dtype(v.dtype), "momentum", replicated=True)
+                                 for v in variables]
 
     @property
     def state_variables(self):

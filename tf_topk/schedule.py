@@ -197,10 +197,14 @@ class AdaptiveDensity:
     E(k) comes at no extra pass from the fused selection's magnitude profile
     (count and energy per 1/8-octave bin, `tf_topk.error_feedback_topk(...,
     with_profile=True)`), interpolated inside a bin, over all sparsified
-    variables. Every replica proposes a density from its own gradient; the
-    proposals travel in the step's collective (one float) and their mean is
-    the density of the NEXT step on every replica, so replicas always agree
-    and no collective is added. The first step uses `initial_density`.
+    variables (each variable profiled down to the bucket-wide rank
+    max_density * n, so one layer holding most of the large entries is
+    counted whole). Every replica proposes a density from its own gradient,
+    as a vote over the candidates (`candidates`); the votes travel in the
+    step's collective (GRID_POINTS + 1 floats) and their lower median
+    (`agree`) is the density of the NEXT step on every replica, so replicas
+    always agree, on a density one of them chose, and no collective is
+    added. The first step uses `initial_density`.
 
     Args:
       min_density, max_density: bounds of the sparse choice (0 < min <= max <= 1).
@@ -244,6 +248,19 @@ class AdaptiveDensity:
         """c0: the message's fixed cost and the sparse path's compute, in bytes."""
         return self.message_bytes + self.selection_s_per_entry * entries * self.bandwidth_bytes_per_s
 
+    def candidates(self, entries):
+        """The densities the rule chooses among for `entries` entries, ascending:
+        GRID_POINTS values of k spaced geometrically over [min_density * n,
+        max_density * n], then 1.0 (send everything) when the dense end is on.
+        The same on every replica, so a choice travels as its index."""
+        return [k / float(entries) for k in self._grid(entries)] + ([1.0] if self.dense else [])
+
+    def _grid(self, entries):
+        """The sparse candidates as k values."""
+        low = max(1.0, math.ceil(self.min_density * entries))
+        high = max(low, math.ceil(self.max_density * entries))
+        return sorted({float(round(low * (high / low) ** (i / (GRID_POINTS - 1)))) for i in range(GRID_POINTS)})
+
     def choose(self, profile, entries, pair_bytes, dense_bytes, total_energy=None):
         """The density the rule picks (float64 scalar tensor; 1.0: dense).
 
@@ -254,29 +271,48 @@ class AdaptiveDensity:
         the dense end is off); total_energy: the energy of all entries (the
         dense end's gain; default: the profile's).
         """
+        index = self.choose_index(profile, entries, pair_bytes, dense_bytes, total_energy)
+        return tf.gather(tf.constant(self.candidates(entries), tf.float64), index)
+
+    def choose_index(self, profile, entries, pair_bytes, dense_bytes, total_energy=None):
+        """What `choose` picks, as an index into `candidates(entries)` (int32)."""
         profile = tf.cast(profile, tf.float64)
         counts, energy = tf.reverse(profile[0], [0]), tf.reverse(profile[1], [0])  # largest bins first
         through_k, through_e = tf.cumsum(counts), tf.cumsum(energy)
         above_k, above_e = through_k - counts, through_e - energy
-        low = max(1.0, math.ceil(self.min_density * entries))
-        high = max(low, math.ceil(self.max_density * entries))
-        grid = tf.constant(sorted({float(round(low * (high / low) ** (i / (GRID_POINTS - 1))))
-                                   for i in range(GRID_POINTS)}), tf.float64)
-        grid = tf.minimum(grid, tf.maximum(through_k[-1], 1.0))  # never beyond what the profile covers
+        ks = self._grid(entries)
+        grid = tf.constant(ks, tf.float64)
+        # Beyond what the profile covers (zeros) a larger k gains nothing more.
+        covered = tf.minimum(grid, tf.maximum(through_k[-1], 1.0))
         # E(k): the bins above k's bin, and k's share of its bin (linear inside it).
-        bin_of_k = tf.minimum(tf.searchsorted(through_k, grid, side="left"), tf.size(counts) - 1)
-        inside = tf.clip_by_value((grid - tf.gather(above_k, bin_of_k)) / tf.maximum(tf.gather(counts, bin_of_k), 1.0),
-                                  0.0, 1.0)
+        bin_of_k = tf.minimum(tf.searchsorted(through_k, covered, side="left"), tf.size(counts) - 1)
+        inside = tf.clip_by_value((covered - tf.gather(above_k, bin_of_k))
+                                  / tf.maximum(tf.gather(counts, bin_of_k), 1.0), 0.0, 1.0)
         gain = tf.gather(above_e, bin_of_k) + inside * tf.gather(energy, bin_of_k)
-        fixed = self.fixed_bytes(entries)
-        ratio = gain / (fixed + pair_bytes * grid)
-        best = tf.argmax(ratio)
-        density = tf.gather(grid, best) / float(entries)
+        ratio = gain / (self.fixed_bytes(entries) + pair_bytes * grid)
+        best = tf.cast(tf.argmax(ratio), tf.int32)
         if dense_bytes is None or not self.dense:
-            return density
+            return best
         total = through_e[-1] if total_energy is None else tf.cast(total_energy, tf.float64)
         dense_ratio = total / (self.message_bytes + float(dense_bytes))
-        return tf.where(dense_ratio > tf.gather(ratio, best), tf.constant(1.0, tf.float64), density)
+        return tf.where(dense_ratio > tf.gather(ratio, best), tf.constant(len(ks), tf.int32), best)
+
+    def agree(self, votes, entries):
+        """The density every replica uses next, from the SUM over replicas of
+        one-hot votes (`tf.one_hot(choose_index(...), len(candidates(entries)))`):
+        the lower median of the proposals.
+
+        A median is a density some replica chose (a mean of 0.01 and 1.0
+        would be 0.505, which no replica asked for and which costs more than
+        either end in the all_gather mode); the lower one at an even count,
+        so two replicas take the smaller proposal, never sending more than
+        both wanted. One outlying replica cannot move it far.
+        """
+        votes = tf.cast(votes, tf.float64)
+        replicas = tf.reduce_sum(votes)
+        position = tf.math.floor((replicas - 1.0) / 2.0)  # 0-based rank of the lower median
+        index = tf.argmax(tf.cast(tf.cumsum(votes) > position, tf.int32), output_type=tf.int32)
+        return tf.gather(tf.constant(self.candidates(entries), tf.float64), index)
 
     def get_config(self):
         config = {"min_density": self.min_density, "max_density": self.max_density,

@@ -36,6 +36,15 @@ def local(variable, strategy):
     return [c.numpy() for c in strategy.experimental_local_results(variable)]
 
 
+def restored_elsewhere(before, replicas):
+    """What each replica of another replica count gets from the saved rows:
+    the value itself for state that is the same on every replica (dense-path
+    velocities), else sum / replicas (the total is kept)."""
+    if all(np.array_equal(before[0], row) for row in before[1:]):
+        return before[0]
+    return sum(before) / replicas
+
+
 # -- SparseExchange and tf.train.Checkpoint --------------------------------------------------------
 
 
@@ -65,6 +74,10 @@ steps()
 saved = [local(v, TWO) for v in exchange.memory_state]
 assert len(saved) == 3  # residual and velocity of the kernel, velocity of the bias
 assert not np.array_equal(*saved[0]) and not np.array_equal(*saved[1])  # per replica
+np.testing.assert_array_equal(*saved[2])  # the dense-path velocity is the same on every replica
+assert np.abs(saved[2][0]).sum() > 0
+assert [v.aggregation == tf.VariableAggregation.ONLY_FIRST_REPLICA for v in exchange.memory_state] == \
+    [False, False, True]
 path = tf.train.Checkpoint(exchange=exchange).save(os.path.join(out, "exchange", "ckpt"))
 report["checkpoint_shapes"] = {name: shape for name, shape in tf.train.list_variables(path)}
 
@@ -80,9 +93,10 @@ for strategy in (THREE, NONE):
     replicas = strategy.num_replicas_in_sync
     for before, variable in zip(saved, other.memory_state):
         for value in local(variable, strategy):
-            np.testing.assert_allclose(value, (before[0] + before[1]) / replicas, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(value, restored_elsewhere(before, replicas), rtol=1e-6, atol=1e-7)
 
-# A checkpoint of the old form (the sum under the same key) restores by the sum rule.
+# A checkpoint of the old form (one value under the same key) restores by the
+# sum rule, and state that is the same on every replica as that value.
 old = tf.Module()
 old.memory_state = [tf.Variable(before[0] + before[1]) for before in saved]
 old_path = tf.train.Checkpoint(exchange=old).save(os.path.join(out, "old", "ckpt"))
@@ -90,7 +104,8 @@ _, from_old = make_exchange(TWO)
 tf.train.Checkpoint(exchange=from_old).restore(old_path).assert_consumed()
 for before, variable in zip(saved, from_old.memory_state):
     for value in local(variable, TWO):
-        np.testing.assert_array_equal(value, (before[0] + before[1]) / 2)
+        expected = before[0] + before[1] if variable is from_old.memory_state[2] else (before[0] + before[1]) / 2
+        np.testing.assert_array_equal(value, expected)
 
 # A SavedModel holds the sum (what TensorFlow writes) and loads into plain variables.
 module = tf.Module()
@@ -117,8 +132,12 @@ def make_model(strategy):
     return model
 
 
+def state_variables(model):
+    return [v.value for v in model.optimizer.residuals + model.optimizer.velocities]
+
+
 def state(model, strategy):
-    return [local(v.value, strategy) for v in model.optimizer.residuals + model.optimizer.velocities]
+    return [local(v, strategy) for v in state_variables(model)]
 
 
 model = make_model(TWO)
@@ -127,16 +146,28 @@ weights_file = os.path.join(out, "model.weights.h5")
 model.save_weights(weights_file)
 saved = state(model, TWO)
 assert not np.array_equal(*saved[0])
+# Residual and velocity of the sparsified kernel differ per replica; the
+# dense-path velocities (bias, small kernel, bias) are the same on each.
+assert [all(np.array_equal(rows[0], row) for row in rows) for rows in saved] == [False, False, True, True, True]
 for strategy in (TWO, THREE):
     restored = make_model(strategy)
     restored.load_weights(weights_file)
-    for before, after in zip(saved, state(restored, strategy)):
+    for before, variable, after in zip(saved, state_variables(restored), state(restored, strategy)):
         if strategy is TWO:
             for a, b in zip(before, after):
                 np.testing.assert_array_equal(a, b)
         else:
             for value in after:
-                np.testing.assert_allclose(value, (before[0] + before[1]) / 3, rtol=1e-6, atol=1e-7)
+                np.testing.assert_allclose(value, restored_elsewhere(before, 3), rtol=1e-6, atol=1e-7)
+
+# A .keras file: the same rules, read back into three replicas.
+keras_file = os.path.join(out, "model.keras")
+model.save(keras_file)
+with THREE.scope():
+    reloaded = keras.models.load_model(keras_file)
+for before, variable, after in zip(saved, state_variables(reloaded), state(reloaded, THREE)):
+    for value in after:
+        np.testing.assert_allclose(value, restored_elsewhere(before, 3), rtol=1e-6, atol=1e-7)
 
 with open(os.path.join(out, "report.json"), "w") as f:
     json.dump(report, f)

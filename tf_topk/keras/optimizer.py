@@ -157,7 +157,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         variable = keras.Variable(initializer="zeros", shape=shape, dtype=dtype, trainable=False,
                                   aggregation="sum" if kind == "state" else "only_first_replica",
                                   synchronization="on_read", name=name)
-        if kind == "state":
+        if kind in ("state", "replicated_state"):
             self._track_variable(variable)  # statistics are tracked as values of a dict attribute
         return variable
 
@@ -200,7 +200,10 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             trainable_variables = self._trainable_variables
         grads, trainable_variables = list(grads), list(trainable_variables)
         if not self.built:
-            with keras.name_scope(self.name, caller=self):
+            # Eagerly, as tf_keras builds: variables made while a tf.function
+            # traces are initialised in its first-call cond, which under
+            # MirroredStrategy fails ("You must feed a value for placeholder").
+            with tf.init_scope(), keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
             self.built = True
         self._check_replica_context("apply")

@@ -1,0 +1,348 @@
+"""SparseExchange against a numpy reference, over a matrix of configurations.
+
+One process runs 1, 2 and 3 replicas (MirroredStrategy over logical CPUs).
+Each cell is one exchange mode, output form, memory and bucket layout, run
+for several steps so that the agreed-index leader (step mod P) rotates. The
+variables are chosen for the cases where offsets into a bucket and spare
+slots matter: sizes that differ inside one bucket, a dense-path variable,
+gradients with fewer non-zeros than k, an all-zero gradient and a None
+gradient. Every replica's result, residuals and velocities are compared
+with `Reference` after every step.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from test_exchange_allreduce import top_k_indices
+
+REPLICA_COUNTS = (1, 2, 3)
+# Logical CPUs must exist before TensorFlow starts, so they are made when this
+# module is imported (at collection, ahead of every test of the run).
+try:
+    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                               [tf.config.LogicalDeviceConfiguration()] * max(REPLICA_COUNTS))
+except RuntimeError:  # TensorFlow already started: the `strategies` fixture says whether enough CPUs exist
+    pass
+
+import tf_topk  # noqa: E402
+from tf_topk.communicator import MODE_CODES, choose_mode  # noqa: E402
+from tf_topk.exchange import SparseGradient, to_dense  # noqa: E402
+
+MIN_SIZE, STEPS, MOMENTUM = 10, 4, 0.9
+DENSITY, DENSE_DENSITY = 0.1, 0.6  # k is a handful; at 0.6 "auto" sends the bucket dense
+FEW = 3  # non-zeros per replica and step of a "few" gradient, below its k
+
+# (kind, shape) per variable, in the order the gradients are passed.
+# full: every entry non-zero; few: FEW non-zeros; zero: all zeros; none: the
+# gradient is None; dense: below MIN_SIZE, so on the dense path.
+VARIABLES = [("full", (150,)), ("few", (10, 10)), ("dense", (3,)), ("none", (4, 5)), ("full", (7, 30)),
+             ("zero", (40,))]
+SIZES = [math.prod(shape) for _, shape in VARIABLES]
+SPARSE = [v for v, size in enumerate(SIZES) if size >= MIN_SIZE]
+DENSE = [v for v in range(len(VARIABLES)) if v not in SPARSE]
+PRESENT = [v for v, (kind, _) in enumerate(VARIABLES) if kind != "none"]
+NONE = [v for v in range(len(VARIABLES)) if v not in PRESENT]
+
+MEMORIES = {
+    "ef": dict(),
+    "momentum": dict(momentum=MOMENTUM, momentum_masking=True),
+    "nesterov": dict(momentum=MOMENTUM, nesterov=True, momentum_masking=True),
+}
+LAYOUTS = {"one_bucket": None, "per_variable": 8}  # bucket_bytes
+CLOSE = dict(rtol=1e-6, atol=1e-6)
+
+
+def gradients(replicas, step):
+    """grads[r][v]: flat float32, or None; different per replica and step, no ties in magnitude."""
+    grads = []
+    for r in range(replicas):
+        rng = np.random.default_rng([17, step, r])
+        mine = []
+        for (kind, _), size in zip(VARIABLES, SIZES):
+            if kind == "none":
+                mine.append(None)
+                continue
+            g = np.zeros(size, np.float32)
+            if kind in ("full", "dense"):
+                g[:] = rng.standard_normal(size)
+            elif kind == "few":
+                g[rng.choice(size, FEW, replace=False)] = rng.standard_normal(FEW)
+            mine.append(g)
+        grads.append(mine)
+    return grads
+
+
+def k_of(size, density):
+    """The exchange's k: ceil(density * n), clipped to [1, n]."""
+    return max(1, min(size, math.ceil(density * size)))
+
+
+def top_k_non_zero(acc, k):
+    """Indices of the k largest |acc|, without the zero entries (they send
+    nothing); fails on a tie at the k-th magnitude, where the choice would
+    be ambiguous."""
+    order = top_k_indices(acc, acc.size)
+    magnitudes = np.abs(acc[order])
+    if k < acc.size and magnitudes[k - 1] != 0:
+        assert magnitudes[k - 1] != magnitudes[k], "tie at the k-th magnitude: choose other gradients"
+    chosen = order[:k]
+    return chosen[acc[chosen] != 0]
+
+
+class Reference:
+    """Top-k exchange with error feedback or momentum correction, in numpy.
+
+    Per replica r and sparsified variable, the accumulation is
+      error feedback:      acc = g + residual
+      momentum correction: u = m*u + g; acc = residual + u
+      Nesterov:            u = m*(u + g); acc = residual + u + g
+    and the entries sent depend on the bucket's mode:
+      allgather: r's own top-k |acc| (k = ceil(density*n) in [1, n]);
+      allreduce: the leader's (step mod P) top-k indices where the leader's
+        acc is non-zero, and every replica sends its own acc there;
+      dense:     every entry.
+    Zero entries send nothing. The result is the sum over replicas of what
+    they sent; r's residual is acc with its sent entries zeroed; with
+    masking, u is zeroed where r sent a non-zero value. One replica always
+    takes the allgather path; "auto" takes per bucket the mode
+    `choose_mode` picks for the bucket's pairs and entries.
+    Dense-path variables: G = sum over replicas; with momentum the returned
+    gradient is U = m*U + G (Nesterov: U = m*(U + G), returned U + G), U the
+    same on every replica. A None gradient gives None and changes no state.
+    """
+
+    def __init__(self, replicas, mode, memory, layout, density):
+        self.replicas, self.mode, self.density = replicas, mode, density
+        self.momentum = MEMORIES[memory].get("momentum")
+        self.nesterov = MEMORIES[memory].get("nesterov", False)
+        present = [v for v in SPARSE if v in PRESENT]
+        self.buckets = [present] if LAYOUTS[layout] is None else [[v] for v in present]
+        self.residuals = [{v: np.zeros(SIZES[v], np.float32) for v in SPARSE} for _ in range(replicas)]
+        self.velocities = [{v: np.zeros(SIZES[v], np.float32) for v in SPARSE} for _ in range(replicas)]
+        self.dense_velocities = {v: np.zeros(SIZES[v], np.float32) for v in DENSE}
+
+    def bucket_mode(self, bucket):
+        if self.replicas == 1 or self.mode == "allgather":
+            return "allgather"
+        if self.mode == "allreduce":
+            return "allreduce"
+        return choose_mode(self.replicas, sum(k_of(SIZES[v], self.density) for v in bucket),
+                           sum(SIZES[v] for v in bucket))
+
+    def accumulate(self, r, v, g):
+        """(acc, new velocity) of replica r's variable v."""
+        m = np.float32(self.momentum or 0.0)
+        u = self.velocities[r][v]
+        if self.momentum is None:
+            return g + self.residuals[r][v], u
+        if self.nesterov:
+            u = m * (u + g)
+            return (u + g) + self.residuals[r][v], u
+        u = m * u + g
+        return u + self.residuals[r][v], u
+
+    def step(self, grads, step):
+        """The summed gradient of every variable (flat; None for a None
+        gradient) and each bucket's mode; updates the state."""
+        summed = [None] * len(VARIABLES)
+        modes = []
+        leader = step % self.replicas
+        for bucket in self.buckets:
+            mode = self.bucket_mode(bucket)
+            modes.append(mode)
+            for v in bucket:
+                accumulated = [self.accumulate(r, v, grads[r][v]) for r in range(self.replicas)]
+                k = k_of(SIZES[v], self.density)
+                agreed = top_k_non_zero(accumulated[leader][0], k)
+                total = np.zeros(SIZES[v], np.float32)
+                for r, (acc, u) in enumerate(accumulated):
+                    if mode == "dense":
+                        taken = np.arange(SIZES[v])
+                    else:
+                        taken = agreed if mode == "allreduce" else top_k_non_zero(acc, k)
+                    mask = np.zeros(SIZES[v], bool)
+                    mask[taken] = True
+                    sent = np.where(mask, acc, np.float32(0))
+                    total += sent
+                    self.residuals[r][v] = np.where(mask, np.float32(0), acc)
+                    if self.momentum is not None:
+                        self.velocities[r][v] = np.where(sent != 0, np.float32(0), u)
+                summed[v] = total
+        for v in DENSE:
+            total = np.zeros(SIZES[v], np.float32)
+            for r in range(self.replicas):
+                total += grads[r][v]
+            if self.momentum is not None:
+                m, velocity = np.float32(self.momentum), self.dense_velocities[v]
+                if self.nesterov:
+                    self.dense_velocities[v] = m * (velocity + total)
+                    total = self.dense_velocities[v] + total
+                else:
+                    self.dense_velocities[v] = m * velocity + total
+                    total = self.dense_velocities[v]
+            summed[v] = total
+        return summed, modes
+
+
+def cells():
+    """The matrix, one pytest.param per cell, named replicas-mode-output-memory-layout[-density]."""
+    params = []
+
+    def add(replicas, mode, sparse_output, memory, layout, density=DENSITY):
+        name = f"P{replicas}-{mode}-{'sparse' if sparse_output else 'dense'}-{memory}-{layout}"
+        if density != DENSITY:
+            name += f"-d{density}"
+        params.append(pytest.param(replicas, mode, sparse_output, memory, layout, density, id=name))
+
+    for replicas in REPLICA_COUNTS:
+        # One replica: every mode takes the same local path, so one mode suffices.
+        for mode in ("allreduce",) if replicas == 1 else ("allgather", "allreduce"):
+            for sparse_output in (False, True):
+                for memory in MEMORIES:
+                    for layout in LAYOUTS:
+                        add(replicas, mode, sparse_output, memory, layout)
+    # "auto" takes one of the paths above (allgather at P = 2, allreduce at
+    # P = 3): its choice, with one memory; and at a density where the dense
+    # all-reduce is the cheapest, where everything is sent.
+    for replicas in (2, 3):
+        for sparse_output in (False, True):
+            for layout in LAYOUTS:
+                add(replicas, "auto", sparse_output, "ef", layout)
+            for memory in ("ef", "nesterov"):
+                add(replicas, "auto", sparse_output, memory, "one_bucket", DENSE_DENSITY)
+    return params
+
+
+def mirrored_strategy(replicas):
+    """MirroredStrategy over the first `replicas` logical CPUs, with collective
+    keys of its own: every MirroredStrategy numbers its collective groups from
+    1, so strategies of different sizes in one process would join the same
+    group and abort ("joining a group with size 3, but that group has size
+    2"). TensorFlow's own tests separate them the same way
+    (tensorflow/python/distribute/strategy_combinations.py)."""
+
+    class Strategy(tf.distribute.MirroredStrategy):
+        _collective_key_base = 100_000 * replicas
+
+    return Strategy([f"/cpu:{i}" for i in range(replicas)])
+
+
+@pytest.fixture(scope="module")
+def strategies():
+    """One MirroredStrategy per replica count, over logical CPUs of this process."""
+    cpus = tf.config.list_logical_devices("CPU")
+    assert len(cpus) >= max(REPLICA_COUNTS), (
+        f"need {max(REPLICA_COUNTS)} logical CPUs, TensorFlow started with {len(cpus)}: something in this "
+        "process initialised TensorFlow before tests/test_exchange_matrix.py was imported")
+    return {p: mirrored_strategy(p) for p in REPLICA_COUNTS}
+
+
+def make_step(strategy, exchange, traced_results):
+    """One tf.function for every step of a cell: each replica takes its row of
+    the stacked gradients; returns the present variables' results by position."""
+
+    @tf.function
+    def step(stacked, s):
+        def replica_fn():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            grads = [tf.gather(stacked[v], r) if v in PRESENT else None for v in range(len(VARIABLES))]
+            result = exchange(grads, step=s)
+            traced_results.append(result)
+            return ({v: result.grads[v] for v in PRESENT}, result.all_finite,
+                    result.stats["exchange_mode"])
+
+        return strategy.run(replica_fn)
+
+    return step
+
+
+def check_sparse_gradient(local_grads, shape, expected, where):
+    """Every replica's SparseGradient: indices in [0, n), spare slots (value 0)
+    at index 0, no index twice in a row (a 1-D one is one row), the same
+    pairs bitwise everywhere, and its densified sum equal to the reference."""
+    n = math.prod(shape)
+    first = None
+    for r, grad in enumerate(local_grads):
+        assert isinstance(grad, SparseGradient), f"{where}: replica {r} got {type(grad).__name__}"
+        values, indices = grad.values.numpy(), grad.indices.numpy()
+        assert values.shape == indices.shape, f"{where}: replica {r}: {values.shape} values, {indices.shape} indices"
+        bad = indices[(indices < 0) | (indices >= n)]
+        assert bad.size == 0, f"{where}: replica {r} has indices outside [0, {n}): {sorted(set(bad.tolist()))}"
+        spare = indices[values == 0]
+        assert np.all(spare == 0), f"{where}: replica {r} has value 0 at indices {sorted(set(spare.tolist()))}"
+        for row, (row_values, row_indices) in enumerate(zip(np.atleast_2d(values), np.atleast_2d(indices))):
+            sent = row_indices[row_values != 0]
+            assert np.unique(sent).size == sent.size, f"{where}: replica {r} row {row} repeats an index: {sent}"
+        if first is None:
+            first = values, indices
+            np.testing.assert_allclose(to_dense(grad, shape).numpy().reshape(-1), expected, **CLOSE,
+                                       err_msg=where)
+        else:
+            np.testing.assert_array_equal(values, first[0], err_msg=f"{where}: replica {r} values")
+            np.testing.assert_array_equal(indices, first[1], err_msg=f"{where}: replica {r} indices")
+
+
+def check_dense_gradient(local_grads, shape, expected, where):
+    """Every replica's dense gradient: its shape, bitwise the same everywhere, equal to the reference."""
+    first = local_grads[0].numpy()
+    assert first.shape == shape, where
+    np.testing.assert_allclose(first.reshape(-1), expected, **CLOSE, err_msg=where)
+    for r, grad in enumerate(local_grads[1:], 1):
+        np.testing.assert_array_equal(grad.numpy(), first, err_msg=f"{where}: replica {r}")
+
+
+def check_state(strategy, variables, expected, where):
+    """Per-replica state variables against the reference's per-replica arrays."""
+    for variable, v in variables:
+        for r, local in enumerate(strategy.experimental_local_results(variable)):
+            np.testing.assert_allclose(local.numpy().reshape(-1), expected(r, v), **CLOSE,
+                                       err_msg=f"{where}: replica {r} variable {v}")
+
+
+@pytest.mark.parametrize("replicas, mode, sparse_output, memory, layout, density", cells())
+def test_exchange_matches_numpy(strategies, replicas, mode, sparse_output, memory, layout, density):
+    """Every step: each replica's results, bitwise the same on all, and its own
+    state equal the reference; the mode statistic says which path was taken."""
+    strategy = strategies[replicas]
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(shape), name=f"v{v}") for v, (_, shape) in enumerate(VARIABLES)]
+        exchange = tf_topk.SparseExchange(variables, density=density, method="exact", min_size=MIN_SIZE,
+                                          exchange_mode=mode, sparse_output=sparse_output,
+                                          bucket_bytes=LAYOUTS[layout], **MEMORIES[memory])
+    assert exchange.sparse_positions == SPARSE
+    reference = Reference(replicas, mode, memory, layout, density)
+    traced = []
+    step = make_step(strategy, exchange, traced)
+    local = strategy.experimental_local_results
+    for s in range(STEPS):
+        grads = gradients(replicas, s)
+        stacked = {v: tf.constant(np.stack([grads[r][v].reshape(VARIABLES[v][1]) for r in range(replicas)]))
+                   for v in PRESENT}
+        out, all_finite, exchange_mode = step(stacked, tf.constant(s))
+        expected, modes = reference.step(grads, s)
+        where = f"step {s}"
+        assert [bool(f) for f in local(all_finite)] == [True] * replicas, where
+        assert [float(x) for x in local(exchange_mode)] == \
+            [np.mean([MODE_CODES[m] for m in modes])] * replicas, f"{where}: modes {modes}"
+        bucket_of = {v: i for i, bucket in enumerate(reference.buckets) for v in bucket}
+        for v in PRESENT:
+            shape = VARIABLES[v][1]
+            at = f"{where}, variable {v} {VARIABLES[v][0]}{shape}"
+            # A bucket sent dense comes back dense, sparse_output or not.
+            if v in SPARSE and sparse_output and modes[bucket_of[v]] != "dense":
+                check_sparse_gradient(local(out[v]), shape, expected[v], at)
+            else:
+                check_dense_gradient(local(out[v]), shape, expected[v], at)
+        slot = {v: i for i, v in enumerate(SPARSE)}
+        check_state(strategy, [(exchange.residuals[slot[v]], v) for v in SPARSE],
+                    lambda r, v: reference.residuals[r][v], f"{where} residual")
+        if reference.momentum is not None:
+            check_state(strategy, [(exchange.memory.velocities[slot[v]], v) for v in SPARSE],
+                        lambda r, v: reference.velocities[r][v], f"{where} velocity")
+            check_state(strategy, [(u, v) for u, v in zip(exchange.memory.dense_velocities, DENSE)],
+                        lambda r, v: reference.dense_velocities[v], f"{where} dense velocity")
+    assert traced and all(result.grads[v] is None for result in traced for v in NONE)
+    assert step.experimental_get_tracing_count() == 1  # traced once for every step
