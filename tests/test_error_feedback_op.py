@@ -8,11 +8,19 @@ method, k, non-finite pattern and residual state; on both CPU paths (the
 one-pass prefilter for large inputs, the two-pass fallback for small ones).
 """
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_topk
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SMALL, LARGE = 1003, 300_001  # the two-pass path; the prefilter path (>= 262,144 entries), odd lengths
 DTYPES = {"float32": (tf.float32, np.float32), "float16": (tf.float16, np.float32),
@@ -189,3 +197,81 @@ def test_a_profile_for_the_top_entries_is_exact_down_to_their_rank():
     assert top[0].sum() >= rank and top[0].sum() < 0.5 * full[0].sum()  # far fewer entries profiled
     with pytest.raises(ValueError, match=r"profile_density must be a float in \(0, 1\], got 0"):
         tf_topk.error_feedback_topk(grad, tf.constant(residual), 5, with_profile=True, profile_density=0)
+
+
+# Runs in a fresh process with TensorFlow's BFC allocator on the CPU: its
+# statistics count the bytes live tensors and kernels hold (the default CPU
+# allocator keeps none), and the environment variable must be set before
+# TensorFlow starts.
+RESIDENT_SCRIPT = r"""
+import json
+import tensorflow as tf
+import tf_topk
+
+def in_use():
+    return tf.config.experimental.get_memory_info("CPU:0")["current"]
+
+def allocated_by(step):  # bytes in use at the step's peak beyond those before it
+    before = in_use()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    step()
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+
+result = {}
+base = in_use()
+for n in (20_000_000, 30_000_000, 25_000_000):  # one eager kernel serves them all
+    tf_topk.error_feedback_topk(tf.random.normal([n], seed=n), tf.zeros([n]), 100)
+result["kept_after_distinct_sizes"] = in_use() - base
+
+N = 22_000_000
+grad = tf.random.normal([N], seed=1)
+base = in_use()
+residual = tf.Variable(tf.zeros([N]))
+
+def eager_step():
+    out = tf_topk.error_feedback_topk(grad, residual, 100)
+    residual.assign(out.remaining)
+
+for _ in range(3):
+    eager_step()
+result["eager_step_allocates"] = max(allocated_by(eager_step) for _ in range(3))
+del residual
+result["kept_after_eager_steps"] = in_use() - base
+tf_topk.error_feedback_topk(tf.zeros([5]), tf.zeros([5]), 1)  # another size
+result["kept_after_another_size"] = in_use() - base
+
+residual = tf.Variable(tf.zeros([N]))
+
+@tf.function
+def graph_step():
+    out = tf_topk.error_feedback_topk(grad, residual, 100)
+    residual.assign(out.remaining)
+
+for _ in range(3):
+    graph_step()
+result["graph_step_allocates"] = max(allocated_by(graph_step) for _ in range(3))
+print(json.dumps(result))
+"""
+
+
+def test_kept_buffers_are_bounded_and_a_repeated_step_allocates_none():
+    """The kernel recycles `remaining` for a step repeated at one size, and
+    keeps nothing once the size changes: eager calls of several sizes (one
+    kernel serves them all) leave no buffer behind."""
+    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", RESIDENT_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    buffer = 4 * 22_000_000  # one float32 residual of the steps, 88 MB
+    small = buffer // 8  # far below any residual-sized buffer; the small outputs fit many times
+    # A buffer kept per size would hold 300 MB here (20M + 30M + 25M entries).
+    assert result["kept_after_distinct_sizes"] < small, result
+    # Buffers kept from other sizes must not stop the step's own reuse.
+    assert result["eager_step_allocates"] < small, result
+    assert result["graph_step_allocates"] < small, result
+    # The repeated step's buffers (the variable's last one, the spare) stay
+    # until a call of another size lets them go.
+    assert result["kept_after_eager_steps"] >= buffer, result
+    assert result["kept_after_another_size"] < small, result

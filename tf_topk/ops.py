@@ -204,6 +204,12 @@ def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=F
     `remaining` and are counted in stats[2], so a caller that skips such a
     step simply does not assign.
 
+    Called again with the same size (a training step), the op writes
+    `remaining` into a buffer it kept from an earlier call that nobody else
+    holds any more, instead of allocating one. It keeps at most three
+    buffers, all of its last call's size, and lets them go at a call of
+    another size: eager calls of varying sizes keep nothing.
+
     Args:
       gradient: float32, float16, bfloat16 or float64 tensor of any shape.
       residual: tensor with as many entries; float32 for a float32, float16

@@ -17,7 +17,8 @@
 // to the residual variable only when every replica's step was finite (an
 // assignment hands over the buffer, it copies nothing), so a skipped step
 // leaves the residual exactly as it was. `remaining` lives in buffers the
-// kernel recycles (RemainingBuffer), so no step allocates fresh memory.
+// kernel recycles (RemainingBuffer), so a step repeated at the same size
+// allocates no fresh memory.
 #define EIGEN_USE_THREADS
 
 #include "error_feedback_topk_op.h"
@@ -25,6 +26,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
@@ -357,25 +359,46 @@ class ErrorFeedbackTopKOp : public OpKernel {
   // newer one, or the step was skipped). Under TensorFlow's copy-on-write
   // rule for variables a holder never sees the buffer change: an in-place
   // write to a variable whose buffer is shared copies it first.
+  //
+  // What the kernel keeps is bounded: at most kMaxBuffers buffers, all of
+  // the last call's size; each call lets go of those nobody else holds but
+  // the one it writes into. A call of a new size keeps nothing and lets
+  // every buffer go: it is a one-off, or the kernel serves several sizes (an
+  // eager kernel is shared by every call with the same attributes and
+  // device), and either way nothing kept would be reused. So only a step
+  // repeated at one size (a tf.function's kernel runs once per step) holds
+  // buffers, and they are what that step needs.
   absl::Status RemainingBuffer(OpKernelContext* ctx,
                                ::tensorflow::DataType dtype, int64_t n,
                                Tensor** remaining) {
     ::tensorflow::mutex_lock lock(mu_);
-    for (const Tensor& buffer : buffers_) {
-      if (buffer.NumElements() == n && buffer.dtype() == dtype &&
-          buffer.RefCountIsOne()) {
-        ctx->set_output(2, buffer);
-        *remaining = ctx->mutable_output(2);
-        return absl::OkStatus();
-      }
-    }
-    if (buffers_.size() >= kMaxBuffers) {  // steps in flight: no reuse
+    if (n != last_size_ || n == 0) {
+      buffers_.clear();
+      last_size_ = n;
       return ctx->allocate_output(2, TensorShape({n}), remaining);
     }
-    Tensor buffer;
-    TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({n}), &buffer));
-    buffers_.push_back(buffer);
-    ctx->set_output(2, buffer);
+    // The first buffer nobody else holds becomes the output; other such
+    // buffers are released (the variable moved on, or outputs were dropped).
+    int spare = -1;
+    for (int i = 0; i < static_cast<int>(buffers_.size());) {
+      if (!buffers_[i].RefCountIsOne()) {
+        ++i;
+      } else if (spare < 0) {
+        spare = i++;
+      } else {
+        buffers_.erase(buffers_.begin() + i);
+      }
+    }
+    if (spare < 0) {
+      if (buffers_.size() >= kMaxBuffers) {  // steps in flight: no reuse
+        return ctx->allocate_output(2, TensorShape({n}), remaining);
+      }
+      Tensor buffer;
+      TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({n}), &buffer));
+      buffers_.push_back(std::move(buffer));
+      spare = static_cast<int>(buffers_.size()) - 1;
+    }
+    ctx->set_output(2, buffers_[spare]);
     *remaining = ctx->mutable_output(2);
     return absl::OkStatus();
   }
@@ -421,7 +444,8 @@ class ErrorFeedbackTopKOp : public OpKernel {
   bool with_profile_ = false;
   double profile_density_ = 1.0;
   ::tensorflow::mutex mu_;
-  std::vector<Tensor> buffers_ TF_GUARDED_BY(mu_);
+  std::vector<Tensor> buffers_ TF_GUARDED_BY(mu_);  // all of last_size_
+  int64_t last_size_ TF_GUARDED_BY(mu_) = -1;  // entries of the last call
 };
 
 #define TF_TOPK_REGISTER_CPU(T, R)                                      \
