@@ -4,9 +4,6 @@
 
 #include "approx_topk_op.h"
 
-#include <limits>
-#include <string>
-
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "selection_arguments.h"
@@ -41,16 +38,7 @@ template <typename Device, typename T>
 class ApproxTopKOp : public OpKernel {
  public:
   explicit ApproxTopKOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string method;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("method", &method));
-    if (method == "gaussian") {
-      method_ = Method::kGaussian;
-    } else if (method == "exact") {
-      method_ = Method::kExact;
-    } else {
-      ctx->CtxFailure(absl::InvalidArgumentError(
-          "method must be 'gaussian' or 'exact', got '" + method + "'"));
-    }
+    OP_REQUIRES_OK(ctx, MethodAttr(ctx, &method_));
   }
 
   void Compute(OpKernelContext* ctx) override {

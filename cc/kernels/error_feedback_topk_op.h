@@ -38,7 +38,7 @@ constexpr int kProfileRows = 2;
 template <typename Device, typename T, typename R>
 struct ErrorFeedbackTopKFunctor;
 
-// CPU: error_feedback_topk_op.cc.
+// CPU: error_feedback_topk_op.cc, running the algorithm of error_feedback_cpu.h.
 template <typename T, typename R>
 struct ErrorFeedbackTopKFunctor<Eigen::ThreadPoolDevice, T, R> {
   void operator()(::tensorflow::OpKernelContext* ctx, const T* gradient,

@@ -1,6 +1,6 @@
-// The argument checks both selection ops make in Compute: k a scalar in
-// [0, n], and n within int32 indices. The errors name the argument and the
-// value, as the Python wrappers' do.
+// The argument checks both selection ops make: the `method` attribute in the
+// constructor; in Compute, k a scalar in [0, n] and n within int32 indices.
+// The errors name the argument and the value, as the Python wrappers' do.
 #ifndef TF_TOPK_CC_KERNELS_SELECTION_ARGUMENTS_H_
 #define TF_TOPK_CC_KERNELS_SELECTION_ARGUMENTS_H_
 
@@ -9,9 +9,27 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "topk_common.h"
 
 namespace tf_topk {
+
+// The `method` attribute as a Method, or the error. The op registrations
+// already allow only these two names; the message is the Python wrappers'
+// (tf_topk/ops.py) for the same mistake.
+inline absl::Status MethodAttr(::tensorflow::OpKernelConstruction* ctx, Method* method) {
+  std::string name;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("method", &name));
+  if (name == "gaussian") {
+    *method = Method::kGaussian;
+  } else if (name == "exact") {
+    *method = Method::kExact;
+  } else {
+    return absl::InvalidArgumentError("method must be one of ('gaussian', 'exact'), got '" + name + "'");
+  }
+  return absl::OkStatus();
+}
 
 // k from `k_tensor` for an input `what` of n entries, or the error.
 inline absl::Status CheckSelectionArguments(const ::tensorflow::Tensor& k_tensor, int64_t n,

@@ -1,5 +1,5 @@
 // The CPU selection, shared by the selection op (approx_topk_op.cc) and the
-// fused error-feedback op (error_feedback_topk_op.cc).
+// fused error-feedback op (error_feedback_cpu.h).
 //
 // CPU algorithm, on the intra-op thread pool, in blocks of the input:
 //   sample     a deterministic strided sample of 32768 entries gives a
