@@ -1,5 +1,6 @@
 """`python -m tf_topk.bench convergence`: the random-k baseline, and a tiny run with a plot."""
 
+import argparse
 import json
 import math
 import os
@@ -98,6 +99,32 @@ def check_result(result, dataset, png):
     width, height = struct.unpack(">II", head[16:24])
     assert (width, height) == (round(4.2 * len(DENSITIES) * 110), 7 * 110)
     assert png.stat().st_size > 10_000
+
+
+def test_random_k_baseline_is_the_library_optimizer_with_only_the_selector_replaced():
+    """The random-k optimizer is a TopKOptimizer given a RandomKSelector: every other
+    option (method, exchange_mode, local_clipnorm...) reaches its exchange as top-k's does."""
+    import keras
+
+    from tf_topk.bench import convergence
+    from tf_topk.selector import RandomKSelector
+
+    args = argparse.Namespace(optimizer="sgd", learning_rate=0.05, momentum=0.9, nesterov=False, method="exact",
+                              min_size=2000, warmup_epochs=0, workers=4)
+    model = convergence.make_model(keras, 64, [HIDDEN], 10)
+    topk = convergence.make_optimizer(keras, "topk_ef", 0.01, args, steps_per_epoch=10)
+    randk = convergence.make_optimizer(keras, "randk_ef", 0.01, args, steps_per_epoch=10)
+    assert type(randk) is type(topk)
+    assert randk.exchange_config == topk.exchange_config
+    assert randk.exchange_config.method == "exact" and randk.min_size == 2000
+    for optimizer in (topk, randk):
+        optimizer.build(model.trainable_variables)
+    assert isinstance(randk.exchange.selector, RandomKSelector)
+    assert not isinstance(topk.exchange.selector, RandomKSelector)
+    assert randk.exchange.config == topk.exchange.config
+    # The same error feedback: one residual, for the 64x128 kernel, tracked by the optimizer.
+    assert len(randk.residuals) == len(topk.residuals) == 1
+    assert any(randk.residuals[0] is v for v in randk.variables)
 
 
 @pytest.mark.slow

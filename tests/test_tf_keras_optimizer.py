@@ -16,6 +16,8 @@ import tensorflow as tf
 import tf_keras
 from sklearn.datasets import load_digits
 
+from tf_topk.config import ExchangeConfig
+from tf_topk.selector import RandomKSelector
 from tf_topk.tf_keras import CompressionStats, TopKOptimizer, restore_optimizer_variables
 
 from multiworker import REPO_ROOT, worker_env
@@ -110,10 +112,60 @@ def test_non_finite_step_is_skipped_without_touching_residuals_or_weights():
      "local_clipnorm must be None or a finite float > 0, got -1"),
     (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), sparse_updates=True),
      r"sparse_updates=True is available with Keras 3 .* not with tf_keras"),
+    (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), config=ExchangeConfig(sparse_output=True)),
+     r"sparse_updates=True is available with Keras 3 .* not with tf_keras"),
+    (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), exchange_mode="ring"),
+     r"exchange_mode must be one of \('auto', 'allgather', 'allreduce'\), got 'ring'"),
+    (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), config=ExchangeConfig(), density=0.0),
+     r"density must be in \(0, 1\], got 0.0"),
+    (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1, momentum=0.9), config=ExchangeConfig(momentum=0.8)),
+     r"config has momentum=0.8, nesterov=False, but the inner SGD has momentum=0.9"),
+    (lambda: TopKOptimizer.from_config({**TopKOptimizer(tf_keras.optimizers.SGD(0.1)).get_config(), "min_size": 0}),
+     "min_size must be an int >= 1, got 0"),
 ])
 def test_bad_arguments_are_named(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
+    config = ExchangeConfig(density=[(0, 0.1), (4, 0.01)], method="exact", min_size=1000, momentum_masking=False,
+                            local_clipnorm=5.0, exchange_mode="auto", bucket_bytes=1 << 16)
+    # Arguments given replace config's fields (method="gaussian" too, though the default); the rest is config's.
+    optimizer = TopKOptimizer(tf_keras.optimizers.SGD(0.05, momentum=0.9), config=config, method="gaussian",
+                              momentum_correction=True)
+    assert optimizer.exchange_config == config.replace(method="gaussian", momentum=0.9)
+    assert (optimizer.method, optimizer.exchange_mode, optimizer.momentum_correction) == ("gaussian", "auto", True)
+    written = optimizer.get_config()
+    assert written["momentum_masking"] is False and written["momentum_correction"] is True
+    clone = TopKOptimizer.from_config(json.loads(json.dumps(written)))
+    assert clone.exchange_config == optimizer.exchange_config and clone.get_config() == written
+    # An earlier version's config: flat keys, no momentum_masking.
+    old = {"name": "TopKOptimizer", "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
+           "clipvalue": None, "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
+           "jit_compile": False, "is_legacy_optimizer": False,
+           "inner_optimizer": tf_keras.optimizers.serialize(tf_keras.optimizers.SGD(0.05, momentum=0.9)),
+           "density": [[0, 0.1], [4, 0.01]], "method": "exact", "min_size": 1000, "bucket_bytes": None,
+           "error_feedback": True, "momentum_correction": True, "local_clipnorm": 5.0, "exchange_mode": "allreduce",
+           "sparse_updates": False}
+    loaded = TopKOptimizer.from_config(json.loads(json.dumps(old)))
+    assert loaded.exchange_config == ExchangeConfig(density=[(0, 0.1), (4, 0.01)], method="exact", min_size=1000,
+                                                    momentum=0.9, local_clipnorm=5.0, exchange_mode="allreduce")
+    rewritten = loaded.get_config()
+    assert {name: rewritten[name] for name in old} == old and rewritten["momentum_masking"] is True
+
+
+def test_parts_reach_the_exchange_and_get_config_refuses_them():
+    selector = RandomKSelector()
+    optimizer = TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.05, min_size=1000, exchange_mode="auto",
+                              selector=selector)
+    model, history = model_and_fit(optimizer, epochs=1)
+    assert optimizer.exchange.selector is selector
+    assert optimizer.exchange.config == optimizer.exchange_config
+    assert len(optimizer.residuals) == 2 and float(np.abs(optimizer.residuals[0].numpy()).sum()) > 0
+    with pytest.raises(NotImplementedError, match=r"cannot describe the exchange parts given to it "
+                                                  r"\(selector=RandomKSelector\(\)\)"):
+        optimizer.get_config()
 
 
 def test_momentum_correction_moves_the_momentum_and_leaves_the_inner_sgd_as_given():

@@ -1,5 +1,6 @@
 """TopKOptimizer and SparseExchange in one process (one replica): algorithm, state, serialization."""
 
+import json
 import math
 
 import keras
@@ -10,7 +11,10 @@ import tensorflow as tf
 from digits_models import digits, mlp
 
 import tf_topk
+from tf_topk.config import ExchangeConfig
 from tf_topk.keras.callbacks import CompressionStats
+from tf_topk.memory import ErrorFeedbackMemory
+from tf_topk.selector import RandomKSelector
 
 
 def compile_fit(model, optimizer, x, y, epochs=2, **fit_kwargs):
@@ -157,10 +161,123 @@ def test_checkpoint_restores_residuals(tmp_path):
     (dict(method="median"), r"method must be one of \('gaussian', 'exact'\), got 'median'"),
     (dict(min_size=0), r"min_size must be an int >= 1, got 0"),
     (dict(bucket_bytes=3), r"bucket_bytes must be None or an int >= 8, got 3"),
+    (dict(exchange_mode="ring"), r"exchange_mode must be one of \('auto', 'allgather', 'allreduce'\), got 'ring'"),
+    (dict(local_clipnorm=0.0), r"local_clipnorm must be None or a finite float > 0, got 0.0"),
+    (dict(config=ExchangeConfig(density=0.01), density=2.0), r"density must be in \(0, 1\], got 2.0"),
 ])
 def test_bad_arguments_raise_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+    # The same checks, ExchangeConfig's, when a saved config carries the bad value.
+    config = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)).get_config()
+    config.update({name: value for name, value in kwargs.items() if name != "config"})
+    with pytest.raises(ValueError, match=message):
+        tf_topk.TopKOptimizer.from_config(config)
+
+
+# -- the exchange config -----------------------------------------------------------------------------
+
+
+def test_exchange_config_round_trips_through_get_config_json_and_from_config():
+    config = ExchangeConfig(density=[(0, 0.1), (10, 0.01)], method="exact", min_size=500, bucket_bytes=4096,
+                            momentum_masking=False, local_clipnorm=5.0, exchange_mode="auto")
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), config=config,
+                                momentum_correction=True)
+    assert opt.exchange_config == config.replace(momentum=0.9, nesterov=True)
+    written = opt.get_config()
+    # Flat keys, as earlier versions wrote them, plus the field they had no key for;
+    # momentum and nesterov are the inner SGD's, so only momentum_correction is written.
+    assert written["density"] == [[0, 0.1], [10, 0.01]] and written["exchange_mode"] == "auto"
+    assert written["momentum_correction"] is True and written["sparse_updates"] is False
+    assert written["momentum_masking"] is False
+    assert not {"momentum", "nesterov", "sparse_output", "config"} & set(written)
+    clone = tf_topk.TopKOptimizer.from_config(json.loads(json.dumps(written)))
+    assert clone.exchange_config == opt.exchange_config
+    assert clone.get_config() == written
+    assert isinstance(clone.inner_optimizer, keras.optimizers.SGD) and clone.inner_optimizer.nesterov is True
+
+
+@pytest.mark.parametrize("new_keys", [True, False], ids=["flat_keys", "before_exchange_mode"])
+def test_config_written_by_an_earlier_version_still_loads(new_keys):
+    """Earlier versions wrote each option as a flat key (no momentum_masking), and
+    before that also without exchange_mode and sparse_updates."""
+    old = {"name": "topk_optimizer", "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
+           "clipvalue": None, "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
+           "loss_scale_factor": None, "gradient_accumulation_steps": None,
+           "inner_optimizer": keras.saving.serialize_keras_object(keras.optimizers.SGD(0.05, momentum=0.9)),
+           "density": [[0, 0.1], [10, 0.01]], "method": "exact", "min_size": 500, "bucket_bytes": 4096,
+           "error_feedback": True, "momentum_correction": True, "local_clipnorm": 5.0}
+    if new_keys:
+        old.update(exchange_mode="auto", sparse_updates=True)
+    opt = tf_topk.TopKOptimizer.from_config(json.loads(json.dumps(old)))
+    assert opt.exchange_config == ExchangeConfig(
+        density=[(0, 0.1), (10, 0.01)], method="exact", min_size=500, bucket_bytes=4096, momentum=0.9,
+        local_clipnorm=5.0, exchange_mode="auto" if new_keys else "allgather", sparse_output=new_keys)
+    assert opt.momentum_correction and opt.sparse_updates is new_keys and opt.density == [(0, 0.1), (10, 0.01)]
+    written = opt.get_config()
+    assert {name: written[name] for name in old} == old and written["momentum_masking"] is True
+
+
+def test_arguments_given_replace_config_fields_and_the_rest_come_from_config():
+    config = ExchangeConfig(density=0.01, method="exact", min_size=100, exchange_mode="auto", sparse_output=True)
+    # method="gaussian" is the default value, but given: it replaces config's "exact".
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), config=config, density=0.05, method="gaussian",
+                                sparse_updates=False)
+    assert opt.exchange_config == ExchangeConfig(density=0.05, method="gaussian", min_size=100, exchange_mode="auto")
+    assert (opt.density, opt.method, opt.min_size, opt.exchange_mode, opt.sparse_updates) == (
+        0.05, "gaussian", 100, "auto", False)
+    assert config.density == 0.01 and config.sparse_output  # the given config is left as it was
+    plain = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), config=config)
+    assert plain.exchange_config == config and plain.sparse_updates is True
+    with pytest.raises(AttributeError):
+        plain.density = 0.5  # read-only: the exchange is made from exchange_config
+
+
+def test_momentum_in_the_config_is_the_inner_sgds():
+    inner = keras.optimizers.SGD(0.1, momentum=0.9)
+    implied = tf_topk.TopKOptimizer(inner, config=ExchangeConfig(momentum=0.9))
+    assert implied.momentum_correction and implied._inner_overrides["momentum"] == 0.0
+    cleared = tf_topk.TopKOptimizer(inner, config=ExchangeConfig(momentum=0.9), momentum_correction=False)
+    assert cleared.exchange_config.momentum is None and "momentum" not in cleared._inner_overrides
+    for config, kwargs in [(ExchangeConfig(momentum=0.5), {}),
+                           (ExchangeConfig(momentum=0.5), dict(momentum_correction=True)),
+                           (ExchangeConfig(momentum=0.9, nesterov=True), {})]:
+        with pytest.raises(ValueError, match=r"but the inner SGD has momentum=0.9, nesterov=False: .* takes the "
+                                             r"inner SGD's momentum"):
+            tf_topk.TopKOptimizer(inner, config=config, **kwargs)
+    with pytest.raises(ValueError, match=r"needs a keras.optimizers.SGD with momentum > 0 .*got Adam"):
+        tf_topk.TopKOptimizer(keras.optimizers.Adam(0.1), config=ExchangeConfig(momentum=0.9))
+    with pytest.raises(ValueError, match=r"needs error_feedback=True"):
+        tf_topk.TopKOptimizer(inner, config=ExchangeConfig(error_feedback=False), momentum_correction=True)
+    with pytest.raises(TypeError, match=r"config must be a tf_topk.ExchangeConfig, got \{'density': 0.01\}"):
+        tf_topk.TopKOptimizer(inner, config={"density": 0.01})
+
+
+def test_parts_reach_the_exchange_and_are_not_serialized():
+    x, y = digits(128)
+    model = mlp()
+    selector, memory = RandomKSelector(), ErrorFeedbackMemory()
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.05, method="exact", min_size=100,
+                                exchange_mode="auto", local_clipnorm=5.0, selector=selector, memory=memory)
+    compile_fit(model, opt, x, y, epochs=1)
+    assert opt.exchange.selector is selector and opt.exchange.memory is memory
+    assert opt.exchange.config == opt.exchange_config  # every option reached the exchange with the parts
+    # The memory's residuals are this optimizer's variables (saved with it), and hold what was not sent.
+    assert opt.residuals and all(any(r is v for v in opt.variables) for r in opt.residuals)
+    assert float(np.abs(opt.residuals[0].numpy()).sum()) > 0
+    with pytest.raises(NotImplementedError, match=r"cannot describe the exchange parts given to it \(selector="
+                                                  r"RandomKSelector\(\), memory=.*save weights or a checkpoint"):
+        opt.get_config()
+    with pytest.raises(ValueError, match=r"memory=.* would replace: pass one or the other"):
+        tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), momentum_correction=True,
+                              memory=ErrorFeedbackMemory())
+
+
+def test_a_router_reaches_the_exchange():
+    router = tf_topk.routes.AutoRouter()
+    opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.1, min_size=100, router=router)
+    opt.build(mlp().trainable_variables)
+    assert opt.exchange.router is router
 
 
 @pytest.mark.parametrize("argument", [dict(clipnorm=1.0), dict(weight_decay=0.01), dict(use_ema=True),

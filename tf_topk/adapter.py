@@ -3,9 +3,10 @@
 `tf_topk.keras.TopKOptimizer` and `tf_topk.tf_keras.TopKOptimizer` differ only
 in how they speak to their Keras: how they make and track variables, and how
 they make the inner optimizer apply without its own dense all-reduce. The rest
-is here, written once: the argument checks, the exchange with its per-replica
-state and statistics, the apply-or-skip branch every replica takes together,
-the configuration, and `CompressionStats`' logic.
+is here, written once: the one `ExchangeConfig` built from the wrapper's
+arguments and the checks only a wrapper needs, the exchange with its
+per-replica state and statistics, the apply-or-skip branch every replica
+takes together, the configuration, and `CompressionStats`' logic.
 
 A wrapper class puts `TopKWrapper` before its Keras optimizer class and
 defines how its Keras makes variables and (de)serializes the inner optimizer
@@ -17,20 +18,19 @@ defines how its Keras makes variables and (de)serializes the inner optimizer
         def _deserialize_inner(config, custom_objects): ...     # staticmethod
 """
 
+import dataclasses
 import threading
 
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from tf_topk.exchange import (STAT_NAMES, SparseExchange, check_bucket_bytes, check_exchange_mode,
-                              check_local_clipnorm, check_min_size)
+from tf_topk.config import ExchangeConfig
+from tf_topk.exchange import STAT_NAMES, SparseExchange
 from tf_topk.memory import state_name
-from tf_topk.ops import check_method
-from tf_topk.schedule import DensitySchedule
 
-# The arguments that configure the exchange, in the order get_config writes them.
-EXCHANGE_ARGUMENTS = ("density", "method", "min_size", "bucket_bytes", "error_feedback", "momentum_correction",
-                      "local_clipnorm", "exchange_mode", "sparse_updates")
+# ExchangeConfig's fields, which get_config writes flat beside the wrapper's own
+# keys, and from_config gathers into one ExchangeConfig again.
+CONFIG_FIELDS = tuple(field.name for field in dataclasses.fields(ExchangeConfig))
 
 # What an inner SGD may not do for sparse updates, which the wrapper applies
 # itself: attribute -> the value that means "not in use".
@@ -153,35 +153,87 @@ def check_inner_only_arguments(kwargs, defaults, keras_name):
         raise ValueError(f"TopKOptimizer got unexpected arguments: {', '.join(sorted(kwargs))}")
 
 
-def check_exchange_arguments(inner_optimizer, sgd_class, keras_name, density, method, min_size, bucket_bytes,
-                             error_feedback, momentum_correction, local_clipnorm, exchange_mode="allgather",
-                             sparse_updates=False):
-    """Check the exchange's arguments; returns them as a dict (EXCHANGE_ARGUMENTS)."""
-    check_method(method)
-    DensitySchedule(density)  # validates
-    check_min_size(min_size)
-    check_bucket_bytes(bucket_bytes)
-    check_local_clipnorm(local_clipnorm)
-    check_exchange_mode(exchange_mode)
+class _FromConfig:
+    """The default of the wrappers' exchange arguments: not given, so the value
+    of `config=` (or ExchangeConfig's default) holds. Any value given, even
+    the default one, replaces config's."""
+
+    def __repr__(self):
+        return "<config's>"
+
+
+FROM_CONFIG = _FromConfig()
+
+
+def wrapper_exchange_config(inner_optimizer, sgd_class, keras_name, config=None, momentum_correction=FROM_CONFIG,
+                            sparse_updates=FROM_CONFIG, sparse_updates_available=True, **options):
+    """The wrapper's one ExchangeConfig: `config` (None: the defaults) with the
+    arguments given (not FROM_CONFIG) in place of its fields.
+
+    `options` are ExchangeConfig fields of the same name; sparse_updates is
+    sparse_output; momentum_correction=True sets momentum and nesterov to the
+    inner SGD's (they move into the exchange), False clears them. A config
+    with momentum set asks for momentum correction, so its momentum and
+    nesterov must be the inner SGD's. ExchangeConfig checks the values; here
+    is only what needs the inner optimizer.
+    """
+    if config is None:
+        config = ExchangeConfig()
+    elif not isinstance(config, ExchangeConfig):
+        raise TypeError(f"config must be a tf_topk.ExchangeConfig, got {config!r}")
+    changes = {name: value for name, value in options.items() if value is not FROM_CONFIG}
+    if sparse_updates is not FROM_CONFIG:
+        changes["sparse_output"] = sparse_updates
+    if momentum_correction is FROM_CONFIG:
+        momentum_correction = config.momentum is not None
     if momentum_correction:
         check_momentum_correction(inner_optimizer, sgd_class, keras_name)
-        if not error_feedback:
-            raise ValueError("momentum_correction=True accumulates the velocity in the residuals: "
-                             "it needs error_feedback=True")
-    if sparse_updates:
-        check_sparse_updates(inner_optimizer, sgd_class, keras_name, momentum_correction)
-    return dict(density=density, method=method, min_size=min_size, bucket_bytes=bucket_bytes,
-                error_feedback=bool(error_feedback), momentum_correction=bool(momentum_correction),
-                local_clipnorm=local_clipnorm, exchange_mode=exchange_mode, sparse_updates=bool(sparse_updates))
-
-
-def arguments_from_config(config):
-    """The config of get_config as constructor arguments: (step, density) pairs
-    come back as tuples (JSON turns them into lists)."""
-    config = dict(config)
-    if isinstance(config.get("density"), list):
-        config["density"] = [tuple(pair) for pair in config["density"]]
+        momentum, nesterov = float(inner_optimizer.momentum), bool(inner_optimizer.nesterov)
+        if config.momentum is not None and (config.momentum, config.nesterov) != (momentum, nesterov):
+            raise ValueError(
+                f"config has momentum={config.momentum}, nesterov={config.nesterov}, but the inner SGD has "
+                f"momentum={momentum}, nesterov={nesterov}: with TopKOptimizer the exchange takes the inner "
+                "SGD's momentum. Leave config's momentum None and pass momentum_correction=True")
+        changes.update(momentum=momentum, nesterov=nesterov)
+    else:
+        changes.update(momentum=None, nesterov=False)
+    config = config.replace(**changes)
+    if config.sparse_output:
+        if not sparse_updates_available:
+            raise ValueError("sparse_updates=True is available with Keras 3 (tf_topk.TopKOptimizer) and custom "
+                             f"loops (SparseExchange(sparse_output=True)), not with {keras_name}")
+        check_sparse_updates(inner_optimizer, sgd_class, keras_name, bool(momentum_correction))
     return config
+
+
+def exchange_parts(config, **parts):
+    """The parts given to a wrapper (selector, memory, router), None left out.
+
+    A memory replaces the one momentum correction makes, in which the inner
+    SGD's momentum would go: not both."""
+    parts = {name: part for name, part in parts.items() if part is not None}
+    if "memory" in parts and config.momentum is not None:
+        raise ValueError("momentum_correction=True moves the inner SGD's momentum into the memory the exchange "
+                         f"makes, which memory={parts['memory']!r} would replace: pass one or the other")
+    return parts
+
+
+def exchange_from_config(variables, config, **parts):
+    """The SparseExchange of `config` with `parts` (selector, memory, router,
+    make_state; None: the exchange's default). The one place a wrapper makes
+    its exchange, so how the config reaches it is decided here alone."""
+    return SparseExchange(variables, config, **{name: part for name, part in parts.items() if part is not None})
+
+
+def flat_config(config):
+    """`config` as get_config writes it: ExchangeConfig's fields with the
+    density's config, momentum and nesterov as momentum_correction (they are
+    the inner SGD's), sparse_output as sparse_updates."""
+    flat = config.get_config()
+    del flat["nesterov"]
+    flat["momentum_correction"] = flat.pop("momentum") is not None
+    flat["sparse_updates"] = flat.pop("sparse_output")
+    return flat
 
 
 # -- the wrapper --------------------------------------------------------------------------------
@@ -200,17 +252,34 @@ class TopKWrapper:
     `_deserialize_inner(config, custom_objects)` for its Keras.
     """
 
-    def _set_exchange_arguments(self, arguments, overrides):
-        """Keep the checked arguments and the inner optimizer's overrides while
-        this optimizer applies through it (with momentum correction, no second
-        momentum)."""
-        for name in EXCHANGE_ARGUMENTS:
-            setattr(self, name, arguments[name])
+    def _set_exchange_config(self, config, parts, overrides):
+        """Keep the checked config, the parts for the exchange, and the inner
+        optimizer's overrides while this optimizer applies through it (with
+        momentum correction, no second momentum). Outside tracking: plain values."""
+        object.__setattr__(self, "_exchange_config", config)
+        object.__setattr__(self, "_exchange_parts", dict(parts))
         overrides = dict(overrides)
         if self.momentum_correction:
             overrides.update(momentum=0.0, nesterov=False)
-        object.__setattr__(self, "_inner_overrides", overrides)  # a plain dict, not tracked
+        object.__setattr__(self, "_inner_overrides", overrides)
         object.__setattr__(self, "_exchange_object", None)
+
+    @property
+    def exchange_config(self):
+        """The ExchangeConfig the exchange is made with (read-only, as `config=`
+        and the arguments made it at construction)."""
+        return self._exchange_config
+
+    # The options by their old attribute names, read from the one config.
+    density = property(lambda self: self._exchange_config.density)
+    method = property(lambda self: self._exchange_config.method)
+    min_size = property(lambda self: self._exchange_config.min_size)
+    bucket_bytes = property(lambda self: self._exchange_config.bucket_bytes)
+    error_feedback = property(lambda self: self._exchange_config.error_feedback)
+    local_clipnorm = property(lambda self: self._exchange_config.local_clipnorm)
+    exchange_mode = property(lambda self: self._exchange_config.exchange_mode)
+    momentum_correction = property(lambda self: self._exchange_config.momentum is not None)
+    sparse_updates = property(lambda self: self._exchange_config.sparse_output)
 
     def _tf_variable(self, variable):
         """The tf.Variable behind one made by `_make_variable`."""
@@ -227,14 +296,9 @@ class TopKWrapper:
             self._exchange_state.setdefault(suffix, []).append(state)
             return self._tf_variable(state)
 
-        momentum = self.inner_optimizer.momentum if self.momentum_correction else None
-        nesterov = self.inner_optimizer.nesterov if self.momentum_correction else False
         # Held outside Keras tracking: its state is the variables above.
-        object.__setattr__(self, "_exchange_object", SparseExchange(
-            var_list, density=self.density, method=self.method, min_size=self.min_size,
-            bucket_bytes=self.bucket_bytes, error_feedback=self.error_feedback, make_state=make_state,
-            momentum=momentum, nesterov=nesterov, local_clipnorm=self.local_clipnorm,
-            exchange_mode=self.exchange_mode, sparse_output=self.sparse_updates))
+        object.__setattr__(self, "_exchange_object", exchange_from_config(
+            var_list, self._exchange_config, make_state=make_state, **self._exchange_parts))
         self.skipped_steps = self._make_variable("skipped_steps", (), "int64", "counter")
         self._stat_variables = {stat: self._make_variable(f"compression_{stat}", (), "float32", "stat")
                                 for stat in STAT_NAMES}
@@ -319,17 +383,31 @@ class TopKWrapper:
     # -- configuration: the subclass serializes its inner optimizer ------------------------------
 
     def get_config(self):
+        """The inner optimizer's config and the exchange config's fields, flat
+        (as earlier versions wrote them). An optimizer given parts (selector,
+        memory, router) raises NotImplementedError: a config cannot hold them,
+        and one loaded without them would train with the default parts."""
+        if self._exchange_parts:
+            raise NotImplementedError(
+                f"TopKOptimizer.get_config cannot describe the exchange parts given to it "
+                f"({', '.join(f'{name}={part!r}' for name, part in self._exchange_parts.items())}): save "
+                "weights or a checkpoint instead (model.save_weights, tf.train.Checkpoint), and make the "
+                "optimizer with its parts again to load them")
         config = super().get_config()
         config.pop("learning_rate", None)  # the inner optimizer's
         config["inner_optimizer"] = self._serialize_inner(self.inner_optimizer)
-        config.update({name: getattr(self, name) for name in EXCHANGE_ARGUMENTS})
-        config["density"] = DensitySchedule(self.density).get_config()
+        config.update(flat_config(self._exchange_config))
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = arguments_from_config(config)
-        return cls(cls._deserialize_inner(config.pop("inner_optimizer"), custom_objects), **config)
+        """Reads what get_config writes, and earlier versions' configs (the
+        same flat keys, fewer of them): ExchangeConfig's fields make one
+        ExchangeConfig, momentum_correction and sparse_updates apply to it."""
+        config = dict(config)
+        inner_optimizer = cls._deserialize_inner(config.pop("inner_optimizer"), custom_objects)
+        fields = {name: config.pop(name) for name in CONFIG_FIELDS if name in config}
+        return cls(inner_optimizer, config=ExchangeConfig.from_config(fields), **config)
 
 
 def find_topk_optimizer(optimizer):

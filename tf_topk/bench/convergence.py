@@ -57,25 +57,14 @@ COLORS = {"dense": "black", "topk_ef": "tab:blue", "topk_mc": "tab:purple", "top
 
 # -- the random-k baseline (benchmark only) ------------------------------------------------
 
-def _random_k_optimizer_class():
-    """RandomKOptimizer, built on first use (it subclasses a Keras class)."""
-    from tf_topk.exchange import SparseExchange
-    from tf_topk.keras.optimizer import TopKOptimizer
+def random_k_optimizer(inner, **options):
+    """BENCHMARK BASELINE: TopKOptimizer whose exchange selects k entries uniformly at random
+    (RandomKSelector), not the top k. Everything else is the library's code and the same options:
+    the same error-feedback memory and residuals, the same k per variable, packing and statistics."""
+    import tf_topk
     from tf_topk.selector import RandomKSelector
 
-    class RandomKOptimizer(TopKOptimizer):
-        """BENCHMARK BASELINE: TopKOptimizer whose exchange selects k entries uniformly at random
-        (RandomKSelector), not the top k. Everything else is the library's code: the same
-        error-feedback memory and residuals, the same k per variable, packing and statistics."""
-
-        def build(self, var_list):
-            super().build(var_list)
-            topk = self._exchange_object
-            object.__setattr__(self, "_exchange_object", SparseExchange(
-                var_list, density=self.density, min_size=self.min_size, bucket_bytes=self.bucket_bytes,
-                selector=RandomKSelector(), memory=topk.memory))
-
-    return RandomKOptimizer
+    return tf_topk.TopKOptimizer(inner, selector=RandomKSelector(), **options)
 
 
 # -- data and model ---------------------------------------------------------------------------
@@ -128,7 +117,7 @@ def make_optimizer(keras, method, density, args, steps_per_epoch):
         return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size,
                                      error_feedback=False)
     if method == "randk_ef":
-        return _random_k_optimizer_class()(inner, density=density, method=args.method, min_size=args.min_size)
+        return random_k_optimizer(inner, density=density, method=args.method, min_size=args.min_size)
     raise ValueError(f"unknown method {method!r}")
 
 
@@ -138,7 +127,7 @@ def _bytes_callback(keras, optimizer, model, workers):
     other worker plus the ring all-reduce of the small variables and the
     non-finite count; for the inner optimizer alone, the ring all-reduce of
     every gradient. Also keeps the density of each epoch's steps."""
-    from tf_topk.communicator import mode_bytes, ring_all_reduce_bytes
+    from tf_topk.routes import mode_bytes, ring_all_reduce_bytes
 
     class Bytes(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -433,7 +422,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.argv = argv
     if args.min_size is None:
-        from tf_topk.exchange import DEFAULT_MIN_SIZE
+        from tf_topk.config import DEFAULT_MIN_SIZE
 
         args.min_size = DEFAULT_MIN_SIZE
     if args.seeds < 1 or args.epochs < 1 or args.batch_size < 1:

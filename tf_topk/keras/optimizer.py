@@ -27,9 +27,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_topk.adapter import (InnerOverrides, TopKWrapper, check_exchange_arguments, check_inner_only_arguments,
-                             check_inner_optimizer)
-from tf_topk.exchange import DEFAULT_MIN_SIZE, SparseGradient, apply_sparse_sgd
+from tf_topk.adapter import (FROM_CONFIG, InnerOverrides, TopKWrapper, check_inner_only_arguments,
+                             check_inner_optimizer, exchange_parts, wrapper_exchange_config)
+from tf_topk.exchange import SparseGradient, apply_sparse_sgd
 from tf_topk.keras.loss_scale_fix import apply_loss_scale_fix
 from tf_topk.keras.mwms_fix import apply_mwms_fix
 from tf_topk.replica_state import keeps_replica_values, restore_value, saved_values
@@ -107,6 +107,20 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         (or with momentum_correction=True), weight decay, clipping or EMA
         (else a ValueError); the result is the same update as dense, up to
         the order of float additions.
+      config: a `tf_topk.ExchangeConfig` holding these options in one object
+        (sparse_updates is its sparse_output), to share one set between
+        optimizers and exchanges. The arguments above that are given replace
+        its fields; those not given keep config's values (or, without
+        config, ExchangeConfig's defaults, which are the ones listed here).
+        Its momentum and nesterov are the inner SGD's: a config with momentum
+        set means momentum_correction=True, and a value other than the inner
+        SGD's is a ValueError. The result is `exchange_config`; the options
+        read back as attributes of the same names (`opt.density`, ...).
+      selector, memory, router: parts handed to the `tf_topk.SparseExchange`
+        in place of its defaults (a memory replaces what error_feedback
+        chooses, and cannot go with momentum_correction). A config cannot
+        hold them: `get_config` of an optimizer given any raises
+        NotImplementedError, so save its weights or a checkpoint instead.
 
     Mixed precision: the LossScaleOptimizer goes outside, never inside. Set
     the "mixed_float16" policy and `model.compile` wraps the TopKOptimizer in
@@ -121,17 +135,24 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
       >>> model.compile(optimizer=opt, loss="mse")
       >>> dgc = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), density=0.001,
       ...                             momentum_correction=True)
+      >>> shared = tf_topk.ExchangeConfig(density=0.001, exchange_mode="auto", bucket_bytes=1 << 20)
+      >>> opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), config=shared, density=0.01)
+      >>> opt.density, opt.exchange_mode        # the argument given, then config's
+      (0.01, 'auto')
     """
 
-    def __init__(self, inner_optimizer, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
-                 bucket_bytes=None, error_feedback=True, momentum_correction=False, local_clipnorm=None,
-                 name=None, exchange_mode="allgather", sparse_updates=False, **kwargs):
+    def __init__(self, inner_optimizer, density=FROM_CONFIG, method=FROM_CONFIG, min_size=FROM_CONFIG,
+                 bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
+                 local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
+                 config=None, selector=None, memory=None, router=None, **kwargs):
         check_inner_optimizer(inner_optimizer, keras.optimizers.Optimizer, TopKOptimizer,
                               keras.mixed_precision.LossScaleOptimizer, "keras")
-        arguments = check_exchange_arguments(
-            inner_optimizer, keras.optimizers.SGD, "keras", density=density, method=method, min_size=min_size,
-            bucket_bytes=bucket_bytes, error_feedback=error_feedback, momentum_correction=momentum_correction,
-            local_clipnorm=local_clipnorm, exchange_mode=exchange_mode, sparse_updates=sparse_updates)
+        exchange_config = wrapper_exchange_config(
+            inner_optimizer, keras.optimizers.SGD, "keras", config, density=density, method=method,
+            min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
+            momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
+            sparse_updates=sparse_updates)
+        parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "keras")
         super().__init__(learning_rate=0.0, name=name or "topk_optimizer")
         apply_mwms_fix()  # keras#20585: model.fit under MultiWorkerMirroredStrategy
@@ -140,7 +161,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         # The exchange replaces the inner optimizer's dense all-reduce, which is
         # switched off only while this optimizer applies an update through it.
         _check_all_reduce_hook(self.inner_optimizer)
-        self._set_exchange_arguments(arguments, {"_all_reduce_sum_gradients": _no_all_reduce})
+        self._set_exchange_config(exchange_config, parts, {"_all_reduce_sum_gradients": _no_all_reduce})
 
     # -- state ----------------------------------------------------------------
 

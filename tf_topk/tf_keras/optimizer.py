@@ -26,9 +26,8 @@ import os
 import tensorflow as tf
 import tf_keras
 
-from tf_topk.adapter import (InnerOverrides, TopKWrapper, check_exchange_arguments, check_inner_only_arguments,
-                             check_inner_optimizer)
-from tf_topk.exchange import DEFAULT_MIN_SIZE
+from tf_topk.adapter import (FROM_CONFIG, InnerOverrides, TopKWrapper, check_inner_only_arguments,
+                             check_inner_optimizer, exchange_parts, wrapper_exchange_config)
 
 # Arguments of tf_keras.optimizers.Optimizer that act in its own
 # apply_gradients, which the wrapper replaces: they belong on the inner
@@ -60,7 +59,11 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
     (Keras 3): inner_optimizer (a `tf_keras.optimizers.Optimizer`, not a
     legacy one, not a LossScaleOptimizer), density, method, min_size,
     bucket_bytes, error_feedback, momentum_correction (for an inner
-    `tf_keras.optimizers.SGD` with momentum > 0), local_clipnorm, name, exchange_mode.
+    `tf_keras.optimizers.SGD` with momentum > 0), local_clipnorm, name,
+    exchange_mode, and `config` (a `tf_topk.ExchangeConfig`, whose fields the
+    arguments given replace), selector, memory and router (parts for the
+    exchange; `get_config` of an optimizer given any raises
+    NotImplementedError).
     Not `sparse_updates` (Keras 3 only): tf_keras applies updates through its
     own distributed apply, which takes dense or IndexedSlices gradients.
     Residuals and velocities are per-replica variables of this optimizer,
@@ -80,14 +83,16 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
       >>> model.compile(optimizer=opt, loss="mse")
       >>> dgc = tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1, momentum=0.9), density=0.001,
       ...                                      momentum_correction=True)
+      >>> shared = tf_topk.ExchangeConfig(density=0.001, exchange_mode="auto")
+      >>> opt = tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), config=shared, density=0.01)
+      >>> opt.density, opt.exchange_mode        # the argument given, then config's
+      (0.01, 'auto')
     """
 
-    def __init__(self, inner_optimizer, density=0.001, method="gaussian", min_size=DEFAULT_MIN_SIZE,
-                 bucket_bytes=None, error_feedback=True, momentum_correction=False, local_clipnorm=None,
-                 name=None, exchange_mode="allgather", sparse_updates=False, **kwargs):
-        if sparse_updates:
-            raise ValueError("sparse_updates=True is available with Keras 3 (tf_topk.TopKOptimizer) and custom "
-                             "loops (SparseExchange(sparse_output=True)), not with tf_keras")
+    def __init__(self, inner_optimizer, density=FROM_CONFIG, method=FROM_CONFIG, min_size=FROM_CONFIG,
+                 bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
+                 local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
+                 config=None, selector=None, memory=None, router=None, **kwargs):
         if isinstance(inner_optimizer, tf_keras.optimizers.legacy.Optimizer):
             raise ValueError(
                 f"TopKOptimizer does not wrap legacy optimizers (got tf_keras.optimizers.legacy."
@@ -95,16 +100,17 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
                 "tf_keras.optimizers.SGD(0.1) for tf_keras.optimizers.legacy.SGD(0.1)")
         check_inner_optimizer(inner_optimizer, tf_keras.optimizers.Optimizer, TopKOptimizer,
                               tf_keras.mixed_precision.LossScaleOptimizer, "tf_keras")
-        arguments = check_exchange_arguments(
-            inner_optimizer, tf_keras.optimizers.SGD, "tf_keras", density=density, method=method,
+        exchange_config = wrapper_exchange_config(
+            inner_optimizer, tf_keras.optimizers.SGD, "tf_keras", config, density=density, method=method,
             min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
-            momentum_correction=momentum_correction, local_clipnorm=local_clipnorm,
-            exchange_mode=exchange_mode)
+            momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
+            sparse_updates=sparse_updates, sparse_updates_available=False)
+        parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         kwargs.pop("is_legacy_optimizer", None)  # written by get_config
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "tf_keras")
         super().__init__(name=name or "TopKOptimizer", weight_decay=None, jit_compile=False)
         self.inner_optimizer = inner_optimizer
-        self._set_exchange_arguments(arguments, {})
+        self._set_exchange_config(exchange_config, parts, {})
 
     # -- state ----------------------------------------------------------------
 
