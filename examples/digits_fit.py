@@ -163,7 +163,7 @@ def main(argv=None):
     test_loss, test_accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
 
     params = model.count_params()
-    dense_bytes = tf_topk.communicator.ring_all_reduce_bytes(4.0 * params, replicas)
+    dense_bytes = tf_topk.routes.ring_all_reduce_bytes(4.0 * params, replicas)
     stats = {} if args.dense else optimizer.compression_stats()  # TopKOptimizer, also inside LSO
     bytes_per_step = dense_bytes if args.dense else stats["bytes_sent"]
     step_time = statistics.median(timer.times[len(timer.times) // 5:]) if timer.times else float("nan")

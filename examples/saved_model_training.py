@@ -189,21 +189,35 @@ def train(args):
     return summary
 
 
+# What `resume --no-import` loads with: a process that never imported tf_topk.
+# This one did (its argument types, tf_topk.cli), and the tf_topk package
+# registers its ops once TensorFlow starts, so here the load would succeed.
+LOAD_WITHOUT_TF_TOPK = "import sys, tensorflow as tf; tf.saved_model.load(sys.argv[1])"
+
+
 def load(export_dir, import_tf_topk):
     """tf.saved_model.load, with a clear message when the op library was not imported first."""
     import tensorflow as tf
 
     if import_tf_topk:
         import tf_topk.ops  # noqa: F401  registers tf_topk's ops (ImportTfTopk>...), which train_step uses
-    try:
-        return tf.saved_model.load(export_dir)
-    except Exception as error:  # NotFoundError in TF 2.21; matched by message to be safe across versions
-        if OP_PREFIX not in str(error):
-            raise
-        sys.exit(f"error: {export_dir} uses tf_topk's ops ({OP_PREFIX}...), which are registered only once tf_topk.ops is "
-                 f"imported.\nRun `import tf_topk.ops` before tf.saved_model.load(...)"
-                 f"{' (this run skipped it: --no-import)' if not import_tf_topk else ''}.\n"
-                 f"TensorFlow said: {str(error).splitlines()[0]}")
+        error = None
+    else:
+        import subprocess
+
+        child = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_TF_TOPK, export_dir], capture_output=True, text=True)
+        error = next((line for line in child.stderr.splitlines() if OP_PREFIX in line), None)
+    if error is None:
+        try:
+            return tf.saved_model.load(export_dir)
+        except Exception as raised:  # NotFoundError in TF 2.21; matched by message to be safe across versions
+            if OP_PREFIX not in str(raised):
+                raise
+            error = str(raised).splitlines()[0]
+    sys.exit(f"error: {export_dir} uses tf_topk's ops ({OP_PREFIX}...), which are registered only once tf_topk.ops is "
+             f"imported.\nRun `import tf_topk.ops` before tf.saved_model.load(...)"
+             f"{' (this run skipped it: --no-import)' if not import_tf_topk else ''}.\n"
+             f"TensorFlow said: {error}")
 
 
 def resume(args):

@@ -165,7 +165,7 @@ def _expected_bytes_sent(shapes, density, replicas, min_size=MIN_SIZE):
 
 
 def test_byte_arithmetic_matches_the_library():
-    from tf_topk.communicator import gather_bytes, mode_bytes, ring_all_reduce_bytes
+    from tf_topk.routes import gather_bytes, mode_bytes, ring_all_reduce_bytes
     from tf_topk.exchange import DEFAULT_MIN_SIZE
 
     assert DEFAULT_MIN_SIZE == MIN_SIZE

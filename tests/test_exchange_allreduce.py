@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
-from tf_topk.communicator import MODE_CODES, choose_mode, mode_bytes, ring_all_reduce_bytes
+from tf_topk.routes import MODE_CODES, choose_mode, mode_bytes, ring_all_reduce_bytes
 
 SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
 MIN_SIZE, DENSITY, FIRST_DENSITY, REPLICAS, STEPS, NAN_STEP, MOMENTUM = 1000, 0.01, 0.6, 3, 4, 2, 0.9
@@ -216,9 +216,9 @@ def test_exchange_and_optimizer_take_the_mode_and_refuse_a_wrong_one():
 
     with pytest.raises(ValueError, match="exchange_mode must be one of .*'ring'"):
         tf_topk.SparseExchange([tf.Variable(tf.zeros([10]))], exchange_mode="ring")
-    with pytest.raises(ValueError, match="exchange_mode='allreduce' needs a communicator"):
+    with pytest.raises(TypeError, match=r"communicator=\.\.\. was replaced by routes"):
         tf_topk.SparseExchange([tf.Variable(tf.zeros([10]))], exchange_mode="allreduce",
-                               communicator=tf_topk.communicator.AllGatherCommunicator())
+                               communicator=object())
     with pytest.raises(ValueError, match="exchange_mode must be one of"):
         tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), exchange_mode="ring")
     optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), exchange_mode="allreduce")

@@ -28,7 +28,7 @@ except RuntimeError:  # TensorFlow already started: the `strategies` fixture say
     pass
 
 import tf_topk  # noqa: E402
-from tf_topk.communicator import MODE_CODES, choose_mode  # noqa: E402
+from tf_topk.routes import MODE_CODES, choose_mode  # noqa: E402
 from tf_topk.exchange import SparseGradient, to_dense  # noqa: E402
 
 MIN_SIZE, STEPS, MOMENTUM = 10, 4, 0.9

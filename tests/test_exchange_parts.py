@@ -1,4 +1,4 @@
-"""The exchange's three parts, each on its own: selector, memory, communicator.
+"""The exchange's three parts, each on its own: selector, memory, route.
 
 And the promise of the split: a new selector or memory is a small class
 passed to SparseExchange, with no change to the exchange.
@@ -14,10 +14,10 @@ import pytest
 import tensorflow as tf
 
 import tf_topk
-from tf_topk.communicator import (DENSE_CARRY_BYTES, AllGatherCommunicator, carry_in_gather, gather_bytes,
-                                  ring_all_reduce_bytes)
 from tf_topk.memory import Compensation, ErrorFeedbackMemory, NoMemory, make_state_variable
-from tf_topk.selector import RandomKSelector, TopKSelector
+from tf_topk.routes import (DENSE_CARRY_BYTES, AllGatherRoute, Bucket, carry_in_gather, gather_bytes,
+                            ring_all_reduce_bytes)
+from tf_topk.selector import RandomKSelector, Selector, TopKSelector
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,12 +108,16 @@ def test_no_memory_keeps_nothing():
     assert memory.state_variables == []
 
 
-# -- communicator ---------------------------------------------------------------------------
+# -- route ------------------------------------------------------------------------------------
 
-def test_all_gather_communicator_with_one_replica_scatters_locally():
-    communicator = AllGatherCommunicator()
+def one_variable_bucket(size, k):
+    return Bucket([0], [0], [size], [0], size, [k], [tf.TensorShape([size])], [tf.float32], k)
+
+
+def test_all_gather_route_with_one_replica_scatters_locally():
     context = tf.distribute.get_replica_context()
-    dense, carried = communicator.exchange_pairs(context, tf.constant([2.0, 0.0, -1.0]), tf.constant([4, 0, 1]), 6)
+    (dense,), carried = AllGatherRoute().send(context, one_variable_bucket(6, 3), tf.constant([2.0, 0.0, -1.0]),
+                                              tf.constant([4, 0, 1]), [tf.constant(3)], None, sparse_output=False)
     np.testing.assert_array_equal(dense.numpy(), [0, -1, 0, 0, 2, 0])
     assert carried is None
     assert ring_all_reduce_bytes(4000.0, 4) == 2 * 3 / 4 * 4000
@@ -127,7 +131,7 @@ def test_dense_gradients_ride_in_the_all_gather_while_the_extra_bytes_are_small(
     assert carry_in_gather(DENSE_CARRY_BYTES // 4, 3) and not carry_in_gather(DENSE_CARRY_BYTES, 3)
 
 
-def test_all_gather_communicator_with_two_replicas_sums_pairs_and_dense_tensors(tmp_path):
+def test_all_gather_route_with_two_replicas_sums_pairs_and_dense_tensors(tmp_path):
     """Two replicas (MirroredStrategy over two logical CPUs, in a fresh process):
     each sends its own pairs; both get the same dense sum, and the carried
     tensor summed."""
@@ -135,21 +139,22 @@ def test_all_gather_communicator_with_two_replicas_sums_pairs_and_dense_tensors(
         import numpy as np, tensorflow as tf
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-        from tf_topk.communicator import AllGatherCommunicator
+        from tf_topk.routes import AllGatherRoute, Bucket, all_reduce_dense
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-        communicator = AllGatherCommunicator()
+        bucket = Bucket([0], [0], [8], [0], 8, [3], [tf.TensorShape([8])], [tf.float32], 3)
 
         def replica_fn():
             context = tf.distribute.get_replica_context()
             r = tf.cast(context.replica_id_in_sync_group, tf.float32)
             values = tf.stack([1.0 + r, 10.0 * (1.0 + r), 0.0])
             indices = tf.stack([tf.cast(r, tf.int32), 5, 0])  # index 5 from both; a spare slot
-            pairs, carried = communicator.exchange_pairs(context, values, indices, 8, carry=tf.fill([2], r + 1.0))
-            dense = communicator.all_reduce_dense(context, [tf.fill([3], r + 1.0), r])
-            return pairs, dense[0], dense[1], carried
+            (pairs,), carried = AllGatherRoute().send(context, bucket, values, indices, [tf.constant(3)],
+                                                      tf.fill([2], r + 1.0), sparse_output=False)
+            dense = all_reduce_dense(context, [tf.fill([3], r + 1.0), r, tf.fill([2], tf.cast(r, tf.float64))])
+            return pairs, dense[0], dense[1], dense[2], carried
 
-        pairs, dense, flag, carried = tf.function(lambda: strategy.run(replica_fn))()
-        for name, result in (("pairs", pairs), ("dense", dense), ("flag", flag), ("carried", carried)):
+        pairs, dense, flag, wide, carried = tf.function(lambda: strategy.run(replica_fn))()
+        for name, result in (("pairs", pairs), ("dense", dense), ("flag", flag), ("wide", wide), ("carried", carried)):
             for local in strategy.experimental_local_results(result):
                 print(name, local.numpy().tolist())
     """)
@@ -159,15 +164,15 @@ def test_all_gather_communicator_with_two_replicas_sums_pairs_and_dense_tensors(
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines()
-             if line.split(" ")[0] in ("pairs", "dense", "flag", "carried")]
+             if line.split(" ")[0] in ("pairs", "dense", "flag", "wide", "carried")]
     expected_pairs = [1.0, 2.0, 0.0, 0.0, 0.0, 30.0, 0.0, 0.0]
     assert lines == ([f"pairs {expected_pairs}"] * 2 + ["dense [3.0, 3.0, 3.0]"] * 2 + ["flag 1.0"] * 2
-                     + ["carried [3.0, 3.0]"] * 2)
+                     + ["wide [1.0, 1.0]"] * 2 + ["carried [3.0, 3.0]"] * 2)  # float64 beside float32: summed too
 
 
 # -- new parts plug in without touching the exchange ---------------------------------------
 
-class LargestPositiveSelector:
+class LargestPositiveSelector(Selector):
     """A selector in a few lines: the k largest entries by signed value."""
 
     def select(self, accumulated, k):
@@ -215,6 +220,69 @@ def test_random_k_exchange_sends_k_random_entries_with_error_feedback():
     # Random picks may hit an entry already sent (now 0 in the residual): at most k non-zeros.
     assert k - 10 <= len(chosen2) <= k and not set(chosen2) & set(chosen)
     assert abs(float(result.stats["contraction"]) - (1 - k / n)) < 0.05
+
+
+def test_a_new_route_plugs_into_the_exchange(tmp_path):
+    """A route in a few lines (each replica applies its own top-k, sending
+    nothing), two replicas: each gets its own selection back, while the
+    dense-path variable is still summed (the route refuses to carry it)."""
+    code = textwrap.dedent("""
+        import math
+        import numpy as np, tensorflow as tf
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+        import tf_topk
+        from tf_topk.routes import FixedRouter, Route
+        from tf_topk.routes.base import split_dense
+
+        class LocalRoute(Route):
+            name, code = "local", 3.0
+
+            def send(self, context, bucket, values, indices, lengths, carry, sparse_output):
+                dense = tf.scatter_nd(tf.expand_dims(indices, 1), values, [bucket.size])
+                return split_dense(bucket, dense), None
+
+            def bytes(self, pairs, entries, replicas):
+                return 0.0
+
+            def extra_carry_bytes(self, entries, replicas):
+                return math.inf
+
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros(3000)), tf.Variable(tf.zeros(50))], density=0.001,
+                                              min_size=1000, method="exact", router=FixedRouter(LocalRoute()))
+
+        def replica_fn():
+            r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+            big = tf.one_hot(tf.cast(r, tf.int32) * 7, 3000) * 5.0 + tf.linspace(0.0, 1.0, 3000)
+            result = exchange([big, tf.fill([50], r + 1.0)])
+            return result.grads[0], result.grads[1], result.stats["exchange_mode"]
+
+        big, small, mode = tf.function(lambda: strategy.run(replica_fn))()
+        for r in range(2):
+            print("big", np.flatnonzero(strategy.experimental_local_results(big)[r].numpy()).tolist())
+            print("small", float(strategy.experimental_local_results(small)[r].numpy()[0]))
+            print("mode", float(strategy.experimental_local_results(mode)[r].numpy()))
+    """)
+    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.split(" ")[0] in ("big", "small", "mode")]
+    # k = 3: each replica its own largest entries (replica 1's spike at 7), nothing from the other.
+    assert lines == ["big [0, 2998, 2999]", "small 3.0", "mode 3.0", "big [7, 2998, 2999]", "small 3.0", "mode 3.0"]
+
+
+def test_parts_that_do_not_implement_their_interface_are_refused():
+    class Duck:
+        def select(self, accumulated, k):
+            return tf.math.top_k(accumulated, k)
+
+    for name in ("selector", "memory", "router"):
+        with pytest.raises(TypeError, match=f"{name} must be a tf_topk.*subclass it.*Duck"):
+            tf_topk.SparseExchange([tf.Variable(tf.zeros([5000]))], min_size=16, **{name: Duck()})
 
 
 def test_residuals_passed_next_to_a_memory_are_refused():

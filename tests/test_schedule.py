@@ -110,9 +110,9 @@ def test_dgc_warmup_refuses_bad_arguments(kwargs, message):
 
 
 
-def exact_gain(magnitudes, k):
+def exact_gain(values, k):
     """E(k): the energy of the k largest magnitudes."""
-    ordered = np.sort(magnitudes.astype(np.float64))[::-1]
+    ordered = np.sort(np.abs(values.astype(np.float64)))[::-1]
     return np.sum(ordered[:int(k)] ** 2)
 
 

@@ -4,6 +4,7 @@ Public names:
   approx_topk      the selection op (CPU and CUDA kernels)
   error_feedback_topk  gradient + residual, selection and what remains, in one op
   SparseExchange   error-compensated top-k exchange for any tf.distribute replica context
+  ExchangeConfig   every option of the exchange, checked once (also taken by TopKOptimizer)
   ExchangeResult   what an exchange returns
   DensitySchedule  constant or scheduled density (k per variable)
   TopKOptimizer    the Keras optimizer wrapper (tf_topk.keras); for tf_keras (Keras 2): tf_topk.tf_keras
@@ -38,6 +39,7 @@ _LAZY = {
     "approx_topk": "tf_topk.ops",
     "error_feedback_topk": "tf_topk.ops",
     "DensitySchedule": "tf_topk.schedule",
+    "ExchangeConfig": "tf_topk.config",
     "ExchangeResult": "tf_topk.exchange",
     "SparseExchange": "tf_topk.exchange",
     "TopKOptimizer": "tf_topk.keras",
@@ -46,8 +48,8 @@ _LAZY = {
 
 # Subpackages and modules reachable as attributes after `import tf_topk`
 # (`tf_topk.keras.CompressionStats`), also loaded on first use.
-_SUBMODULES = ("adapter", "bench", "communicator", "distribute", "exchange", "keras", "launch", "memory", "ops",
-               "schedule", "selector", "tf_keras")
+_SUBMODULES = ("adapter", "bench", "config", "distribute", "exchange", "keras", "launch", "memory", "ops", "routes",
+               "schedule", "selector", "sparse_gradient", "tf_keras")
 
 __all__ = sorted(_LAZY)
 

@@ -1,7 +1,6 @@
 """Memories: what a replica keeps between steps (error feedback, momentum correction, or nothing).
 
-A memory is one of the exchange's three parts (selector, memory,
-communicator). Per sparsified variable (a slot), it turns the gradient into
+A memory is one of the exchange's three parts (selector, memory, route). Per sparsified variable (a slot), it turns the gradient into
 the tensor the selector sees (`compensate`) and, once k entries are
 selected, keeps what was not sent (`update`). Variables on the dense path
 (smaller than the exchange's `min_size`) pass through `apply_dense` once
@@ -47,9 +46,12 @@ exchange hands the sum and the selection to the fused op
 over the accumulated gradient.
 """
 
+import abc
 import collections
 
 import tensorflow as tf
+
+from tf_topk.config import check_momentum
 
 
 def residual_dtype(variable_dtype):
@@ -93,17 +95,39 @@ def _flat(variable):
     return tf.reshape(variable, [-1])
 
 
-class Memory:
-    """What every memory shares: no state on the dense path, nothing kept by default.
+class Memory(abc.ABC):
+    """A memory's interface, and what every memory shares: no state on the
+    dense path, nothing kept by default.
 
     `compensate(slot, grad)` returns a Compensation; once the exchange knows
     the step is kept (every replica finite), it calls `update(slot,
     compensation, remaining, values, indices)` with `remaining` = gradient +
     residual minus what this replica sent. A step that is not kept calls
     nothing, so state stays exactly as it was.
+
+    keeps_unsent: whether what is not sent is kept (error feedback).
+    residuals: the per-slot residual variables, if the memory has them.
     """
 
     keeps_unsent = False
+    residuals = None
+
+    @abc.abstractmethod
+    def build(self, variables, make_state):
+        """Make the state of the sparsified `variables` with `make_state`."""
+
+    @property
+    @abc.abstractmethod
+    def state_variables(self):
+        """Every state variable, for checkpoints."""
+
+    @abc.abstractmethod
+    def compensate(self, slot, grad):
+        """The Compensation of slot's gradient."""
+
+    @abc.abstractmethod
+    def update(self, slot, compensation, remaining, values, indices):
+        """Keep what was not sent (called only on kept steps)."""
 
     def build_dense(self, variables, make_state):
         """State for the dense-path variables (none by default)."""
@@ -111,6 +135,21 @@ class Memory:
     def apply_dense(self, slot, summed, keep):
         """The summed gradient of dense-path variable `slot`, as the optimizer gets it."""
         return summed
+
+
+def memory_for(config, residuals=None):
+    """The memory an ExchangeConfig asks for: momentum correction with
+    `momentum`, else error feedback (with ready-made `residuals`, if given),
+    else none."""
+    if config.momentum is not None:
+        if residuals is not None:
+            raise ValueError("residuals=... is for plain error feedback; with momentum the memory makes its state")
+        return MomentumCorrectionMemory(config.momentum, nesterov=config.nesterov, masking=config.momentum_masking)
+    if not config.error_feedback:
+        if residuals is not None:
+            raise ValueError("residuals=... keeps what is not sent: it needs error_feedback=True")
+        return NoMemory()
+    return ErrorFeedbackMemory(residuals)
 
 
 class ErrorFeedbackMemory(Memory):
@@ -145,12 +184,6 @@ class ErrorFeedbackMemory(Memory):
         """residual = remaining (the op's buffer is taken over: no copy)."""
         residual = self.residuals[slot]
         residual.assign(tf.reshape(remaining, residual.shape))
-
-
-def check_momentum(momentum):
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 < momentum < 1.0:
-        raise ValueError(f"momentum must be a float in (0, 1), got {momentum!r}")
-    return float(momentum)
 
 
 class MomentumCorrectionMemory(ErrorFeedbackMemory):

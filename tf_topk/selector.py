@@ -1,28 +1,51 @@
 """Selectors: which k entries of a replica's accumulated gradient it sends.
 
-A selector is one of the exchange's three parts (selector, memory,
-communicator). It sees one flat tensor at a time (the gradient plus the
-residual) and a k, and returns (values, indices), both of shape [k]; spare
-slots hold value 0 at index 0, which adds nothing when scattered back. A new
-selector is a class with a `select(accumulated, k)` method, passed as
-`SparseExchange(..., selector=MySelector())`.
+A selector is one of the exchange's three parts (selector, memory, route).
+It sees one flat tensor at a time (the gradient plus the residual) and a k,
+and returns (values, indices), both of shape [k]; spare slots hold value 0 at
+index 0, which adds nothing when scattered back. A new selector subclasses
+`Selector` and defines `select(accumulated, k)`, passed as
+`SparseExchange(..., selector=MySelector())`. A selector whose choice the
+fused op makes itself says so with `fused_method`, and the exchange then
+selects in the same pass as the error-feedback sum.
 
 Example:
     >>> exchange = tf_topk.SparseExchange(variables, density=0.01,
     ...                                   selector=tf_topk.selector.TopKSelector("exact"))
 """
 
+import abc
+
 import tensorflow as tf
 
 from tf_topk import ops
 
 
-class TopKSelector:
+class Selector(abc.ABC):
+    """Which k entries of a flat tensor a replica sends.
+
+    fused_method: the `tf_topk.error_feedback_topk` method that makes the same
+    choice inside the fused op ("gaussian", "exact"), or None when the
+    selector picks on its own after the op has summed.
+    """
+
+    fused_method = None
+
+    @abc.abstractmethod
+    def select(self, accumulated, k):
+        """(values, indices), both of shape [k], of flat `accumulated`."""
+
+
+class TopKSelector(Selector):
     """The ~k largest magnitudes, by `tf_topk.approx_topk` ("gaussian" or "exact")."""
 
     def __init__(self, method="gaussian"):
         ops.check_method(method)
         self.method = method
+
+    @property
+    def fused_method(self):
+        return self.method
 
     def select(self, accumulated, k):
         return ops.approx_topk(accumulated, k, method=self.method)
@@ -31,7 +54,7 @@ class TopKSelector:
         return f"TopKSelector({self.method!r})"
 
 
-class RandomKSelector:
+class RandomKSelector(Selector):
     """k entries chosen uniformly at random, without replacement.
 
     A BENCHMARK BASELINE (random-k sparsification), not a way to train: the

@@ -246,7 +246,7 @@ def estimate_bytes(tf_topk, optimizer, density, params, replicas):
     """Bytes per step the exchange should send (TopKOptimizer's own count, or a
     ring all-reduce's for dense), for comparison with the measured traffic."""
     stats = optimizer.compression_stats() if density is not None else {}
-    dense_bytes = tf_topk.communicator.ring_all_reduce_bytes(4.0 * params, replicas)
+    dense_bytes = tf_topk.routes.ring_all_reduce_bytes(4.0 * params, replicas)
     return {"estimated_bytes_sent": stats.get("bytes_sent", dense_bytes),
             "estimated_bytes_dense": dense_bytes,
             "compression_stats": stats}

@@ -6,7 +6,7 @@ entries plus `--small` entries on the dense path, once per exchange mode
 ("allgather", "allreduce", "auto"), and report the bytes each worker sends
 per step as the exchange's own `bytes_sent` statistic says (the volume of
 its ring collectives: bytes do not depend on CPU speed), with the dense
-all-reduce's (`bytes_dense`). The same formulas (`tf_topk.communicator.mode_bytes`)
+all-reduce's (`bytes_dense`). The same formulas (`tf_topk.routes.mode_bytes`)
 then project P = 16 ... 1024.
 """
 
@@ -17,8 +17,7 @@ import os
 import subprocess
 import sys
 
-from tf_topk.communicator import (MODE_CODES, carry_in_gather, choose_mode, gather_bytes, mode_bytes,
-                                  ring_all_reduce_bytes)
+from tf_topk.routes import MODE_CODES, choose_mode, dense_path_bytes, mode_bytes, ring_all_reduce_bytes
 
 MODES = ("allgather", "allreduce", "auto")
 PROJECTED = (16, 32, 64, 128, 256, 512, 1024)
@@ -82,13 +81,9 @@ def measure(replicas, size, small, density, steps):
 
 
 def small_bytes(mode, small, replicas):
-    """Bytes of the dense-path entries and the non-finite count: carried in
-    the all_gather while `carry_in_gather` says so, else (and in the other
-    modes) a ring all-reduce."""
-    entries = small + 1
-    if mode == "allgather" and carry_in_gather(entries, replicas):
-        return gather_bytes(entries, replicas)
-    return ring_all_reduce_bytes(4.0 * entries, replicas)
+    """Bytes of the dense-path entries and the non-finite count beside a
+    bucket of `mode` (`tf_topk.routes.dense_path_bytes`)."""
+    return dense_path_bytes(mode, small + 1, replicas)
 
 
 def projection(replicas, size, small, density):

@@ -1,0 +1,114 @@
+"""Agreed indices: every replica sums its values at the leader's indices, by all-reduce only."""
+
+import tensorflow as tf
+
+from tf_topk.routes.base import Route, all_reduce_with_carry, ring_all_reduce_bytes, split_dense, split_pairs, taken_out
+from tf_topk.routes.dense import DenseRoute
+
+
+class AgreedIndexRoute(Route):
+    """All replicas sum their values at ONE agreed index set, by ring all-reduce.
+
+    ScaleCom's cyclic local top-k (Chen et al., NeurIPS 2020): at step t the
+    leader replica t mod P selects its top-k, the indices reach every replica
+    in one all-reduce of an int32 buffer that is zero except on the leader
+    (index + 1; 0 marks a spare slot), and every replica then sends its own
+    accumulated values at those indices through a second all-reduce. Each
+    all-reduce moves 2(P-1)/P * 4k bytes per worker, so the total,
+    16k(P-1)/P, stays below 16k as P grows, where an all_gather of the pairs
+    moves (P-1) * 8k. A ring broadcast would halve the agreement, but
+    tf.distribute's replica context offers none; an all_gather of the
+    leader's indices alone would pad every replica's part to k and grow with
+    P again; and only all-reduces ride NCCL on GPUs. Error feedback stays
+    exact: a replica keeps in its residual everything but what it
+    contributed at the agreed indices. A spare slot (the leader had fewer
+    than k non-zero entries) is value 0 at its own variable's index 0, so
+    pairs never point outside their variable.
+    """
+
+    name, code = "allreduce", 2.0
+    uses_leader = True
+
+    def select(self, bucket, accumulate, selector, context, leader):
+        everything = [accumulate(i, 0) for i in range(len(bucket.ks))]
+        taken = self._agree([s.remaining for s in everything], bucket, selector, context, leader)
+        return [taken_out(s, s.remaining, values, indices) for s, (values, indices) in zip(everything, taken)]
+
+    def _local(self, accumulated, bucket, selector):
+        """This replica's candidates: (values, indices) per member."""
+        return [tuple(selector.select(a, k)) for a, k in zip(accumulated, bucket.ks)]
+
+    def _agreement(self, context, candidates, valid, leader, bucket):
+        """The leader's candidate indices on every replica, and where they are real."""
+        return agree_indices(context, candidates, valid, leader)
+
+    def _agree(self, accumulated, bucket, selector, context, leader):
+        """Per member, this replica's (values, indices) at the agreed indices."""
+        local = self._local(accumulated, bucket, selector)
+        candidates = tf.concat([i + offset for (_, i), offset in zip(local, bucket.offsets)], 0)
+        valid = tf.concat([tf.not_equal(v, 0) for v, _ in local], 0)
+        agreed, agreed_valid = self._agreement(context, candidates, valid, leader, bucket)
+        lengths = tf.stack([tf.size(i) for _, i in local])
+        selected = []
+        for a, offset, piece, piece_valid in zip(accumulated, bucket.offsets, tf.split(agreed, lengths),
+                                                 tf.split(agreed_valid, lengths)):
+            indices = tf.where(piece_valid, piece - offset, 0)
+            selected.append((tf.where(piece_valid, tf.gather(a, indices), tf.zeros([], a.dtype)), indices))
+        return selected
+
+    def send(self, context, bucket, values, indices, lengths, carry, sparse_output):
+        summed, summed_carry = all_reduce_with_carry(context, values, carry)
+        if sparse_output:  # one row: already summed
+            return split_pairs(bucket, lengths, tf.expand_dims(summed, 0), tf.expand_dims(indices, 0)), summed_carry
+        dense = tf.scatter_nd(tf.expand_dims(indices, 1), summed, tf.constant([bucket.size], tf.int32))
+        return split_dense(bucket, dense), summed_carry
+
+    def bytes(self, pairs, entries, replicas):
+        return 2.0 * ring_all_reduce_bytes(4.0 * pairs, replicas)
+
+
+class AgreedOrDenseRoute(AgreedIndexRoute):
+    """Agreed indices, or every entry where `dense_when` (a bool tensor) holds:
+    the run-time switch of "auto" when k is a tensor (a scheduled density
+    that can reach the side where the dense all-reduce sends fewer bytes).
+    Dense steps send every entry through the same value all-reduce (no index
+    travels), so nothing is lost either way."""
+
+    def __init__(self, dense_when):
+        self.dense_when = dense_when
+
+    @property
+    def code(self):
+        return tf.where(self.dense_when, DenseRoute.code, AgreedIndexRoute.code)
+
+    def _local(self, accumulated, bucket, selector):
+        return [tf.cond(self.dense_when, lambda a=a: (a, tf.range(tf.size(a, out_type=tf.int32))),
+                        lambda a=a, k=k: tuple(selector.select(a, k)))
+                for a, k in zip(accumulated, bucket.ks)]
+
+    def _agreement(self, context, candidates, valid, leader, bucket):
+        # Dense steps agree on nothing (no index travels), then take every entry.
+        candidates = tf.cond(self.dense_when, lambda: tf.zeros([0], tf.int32), lambda: candidates)
+        valid = tf.cond(self.dense_when, lambda: tf.zeros([0], tf.bool), lambda: valid)
+        agreed, agreed_valid = agree_indices(context, candidates, valid, leader)
+        whole = tf.range(bucket.size, dtype=tf.int32)
+        return (tf.cond(self.dense_when, lambda: whole, lambda: agreed),
+                tf.cond(self.dense_when, lambda: tf.ones_like(whole, tf.bool), lambda: agreed_valid))
+
+    def bytes(self, pairs, entries, replicas):
+        return tf.where(self.dense_when, DenseRoute().bytes(pairs, entries, replicas),
+                        super().bytes(pairs, entries, replicas))
+
+    def __repr__(self):
+        return f"AgreedOrDenseRoute(dense_when={self.dense_when!r})"
+
+
+def agree_indices(context, indices, valid, leader):
+    """The leader's `indices` (int32 [K]) on every replica, and where they
+    are real (its `valid`, bool [K]); spare slots come back as index 0."""
+    if context.num_replicas_in_sync == 1:
+        return tf.where(valid, indices, 0), valid
+    is_leader = tf.equal(tf.cast(context.replica_id_in_sync_group, tf.int32), tf.cast(leader, tf.int32))
+    code = tf.where(tf.logical_and(is_leader, valid), indices + 1, 0)
+    summed = context.all_reduce(tf.distribute.ReduceOp.SUM, code)
+    return tf.maximum(summed - 1, 0), summed > 0

@@ -1,0 +1,138 @@
+"""Routers: which route each bucket takes this step, and the byte model they decide by."""
+
+import abc
+
+import tensorflow as tf
+
+from tf_topk.routes.agreed import AgreedIndexRoute, AgreedOrDenseRoute
+from tf_topk.routes.allgather import AllGatherRoute
+from tf_topk.routes.base import ring_all_reduce_bytes
+from tf_topk.routes.dense import DenseRoute
+
+ROUTES = {route.name: route for route in (DenseRoute(), AllGatherRoute(), AgreedIndexRoute())}
+MODES = tuple(ROUTES)  # ("dense", "allgather", "allreduce")
+MODE_CODES = {name: route.code for name, route in ROUTES.items()}  # the "exchange_mode" statistic
+
+# What one more collective per step is worth in bytes: its latency (rounds of
+# messages between workers, about half a millisecond) at 1 Gbit/s.
+DENSE_CARRY_BYTES = 64 * 1024
+
+
+def mode_bytes(mode, pairs, entries, replicas):
+    """Bytes a worker sends per step to exchange one bucket of `entries`
+    entries with `pairs` selected (value, index) pairs, by route name:
+
+      dense:     ring all-reduce of every entry        2(P-1)/P * 4n
+      allgather: its pairs to every other replica      (P-1) * 8k
+      allreduce: ring all-reduce of k agreed indices,
+                 then of the k values there            2 * 2(P-1)/P * 4k
+
+    allreduce stays below 16k whatever P; allgather grows with P.
+    """
+    if mode not in ROUTES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    return ROUTES[mode].bytes(pairs, entries, replicas)
+
+
+def choose_mode(replicas, pairs, entries, modes=MODES):
+    """The route name among `modes` that sends the fewest bytes (ties: the
+    earlier of allgather, allreduce, dense: each replica's own top-k is the
+    better selection, and the sparse routes keep residuals)."""
+    order = [m for m in ("allgather", "allreduce", "dense") if m in modes]
+    if not order:
+        raise ValueError(f"modes must hold at least one of {MODES}, got {modes!r}")
+    return min(order, key=lambda m: mode_bytes(m, pairs, entries, replicas))
+
+
+def carries(route, entries, replicas):
+    """Whether `route`'s collective should carry `entries` float32 dense-path
+    entries (the small variables and the step's scalars) instead of an
+    all-reduce of their own: while it costs at most DENSE_CARRY_BYTES more."""
+    return route.extra_carry_bytes(entries, replicas) <= DENSE_CARRY_BYTES
+
+
+def dense_path_bytes(mode, entries, replicas):
+    """Bytes a worker sends for `entries` dense-path float32 entries beside a
+    bucket of route `mode`: carried in its collective where `carries` says
+    so, else their own ring all-reduce."""
+    route = ROUTES[mode]
+    if carries(route, entries, replicas):
+        return route.carry_bytes(entries, replicas)
+    return ring_all_reduce_bytes(4.0 * entries, replicas)
+
+
+def carry_in_gather(entries, replicas):
+    """Whether an all_gather should carry `entries` float32 dense entries
+    (summed after it) instead of a separate all-reduce of them: worth it
+    while the extra bytes stay within DENSE_CARRY_BYTES."""
+    return carries(ROUTES["allgather"], entries, replicas)
+
+
+class Router(abc.ABC):
+    """Picks a route per bucket and step.
+
+    uses_leader: whether any route it returns may need the leader replica
+    (the exchange then keeps a call counter for steps given no `step`).
+    can_go_dense: whether a bucket can take the dense route (the adaptive
+    density's dense end then costs a dense all-reduce).
+    """
+
+    uses_leader = False
+    can_go_dense = False
+
+    @abc.abstractmethod
+    def route(self, bucket, replicas):
+        """The Route of `bucket` (a tf_topk.routes.Bucket) at `replicas`."""
+
+    def sparse_route(self, bucket, replicas):
+        """The route the adaptive density's byte costs assume for pairs."""
+        route = self.route(bucket, replicas)
+        return AgreedIndexRoute() if isinstance(route, (AgreedOrDenseRoute, DenseRoute)) else route
+
+
+class FixedRouter(Router):
+    """Every bucket the same route (one replica: all_gather, which then
+    makes no collective and selects as any route would)."""
+
+    def __init__(self, route):
+        self._route = route
+        self.uses_leader = route.uses_leader
+
+    def route(self, bucket, replicas):
+        return ROUTES["allgather"] if replicas == 1 else self._route
+
+    def __repr__(self):
+        return f"FixedRouter({self._route!r})"
+
+
+class AutoRouter(Router):
+    """Per bucket, whichever of dense, all_gather and agreed indices sends the
+    fewest bytes (`choose_mode`): all_gather at P <= 2, agreed indices above,
+    dense once k > n/2 (k > n/P at P = 2). Decided when traced; with a k
+    tensor (scheduled or adaptive density) whose largest value can reach the
+    dense side, per step (`AgreedOrDenseRoute`). Never more bytes than dense."""
+
+    uses_leader = True
+    can_go_dense = True
+
+    def route(self, bucket, replicas):
+        if replicas == 1:
+            return ROUTES["allgather"]
+        if all(isinstance(k, int) for k in bucket.ks):
+            return ROUTES[choose_mode(replicas, sum(bucket.ks), bucket.size)]
+        sparse = choose_mode(replicas, bucket.max_pairs, bucket.size, ("allgather", "allreduce"))
+        dense_bytes = mode_bytes("dense", bucket.max_pairs, bucket.size, replicas)
+        if mode_bytes(sparse, bucket.max_pairs, bucket.size, replicas) <= dense_bytes:
+            return ROUTES[sparse]
+        pairs = tf.add_n([tf.cast(k, tf.float32) for k in bucket.ks])
+        return AgreedOrDenseRoute(mode_bytes("allreduce", pairs, bucket.size, replicas) > dense_bytes)
+
+    def __repr__(self):
+        return "AutoRouter()"
+
+
+def router_for(exchange_mode):
+    """The router of an exchange_mode string."""
+    if exchange_mode == "auto":
+        return AutoRouter()
+    return FixedRouter(ROUTES[exchange_mode])
