@@ -277,22 +277,22 @@ def _stop_all(procs: Sequence[subprocess.Popen], grace_s: float) -> list:
         try:
             for p in procs:
                 _signal_group(p, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
+            _wait_all(procs, grace_s)
         finally:
             for p in procs:
                 _signal_group(p, signal.SIGKILL)
-            deadline = time.monotonic() + _REAP_S
-            for p in procs:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:  # unkillable (D state): give up on it
-                    pass
+            _wait_all(procs, _REAP_S)  # one still running is unkillable (D state): given up on
     return [p for p in procs if p.returncode is None]
+
+
+def _wait_all(procs, seconds):
+    """Wait for every process, `seconds` in all."""
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 def _reader(
