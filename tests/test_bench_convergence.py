@@ -110,13 +110,13 @@ def test_random_k_baseline_is_the_library_optimizer_with_only_the_selector_repla
     from tf_topk.selector import RandomKSelector
 
     args = argparse.Namespace(optimizer="sgd", learning_rate=0.05, momentum=0.9, nesterov=False, method="exact",
-                              min_size=2000, warmup_epochs=0, workers=4)
+                              min_size=2000, warmup_epochs=0, workers=4, exchange_mode="auto")
     model = convergence.make_model(keras, 64, [HIDDEN], 10)
     topk = convergence.make_optimizer(keras, "topk_ef", 0.01, args, steps_per_epoch=10)
     randk = convergence.make_optimizer(keras, "randk_ef", 0.01, args, steps_per_epoch=10)
     assert type(randk) is type(topk)
     assert randk.exchange_config == topk.exchange_config
-    assert randk.exchange_config.method == "exact" and randk.min_size == 2000
+    assert randk.exchange_config.method == "exact" and randk.min_size == 2000 and randk.exchange_mode == "auto"
     for optimizer in (topk, randk):
         optimizer.build(model.trainable_variables)
     assert isinstance(randk.exchange.selector, RandomKSelector)
@@ -196,7 +196,28 @@ def test_adaptive_run_counts_bytes_per_worker_and_draws_bytes_to_accuracy(tmp_pa
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_several_replicas_per_run_exchange_by_the_mode_asked(tmp_path):
+    """--replicas 2: MirroredStrategy over two logical CPUs, each replica its
+    half of the batch and its own residuals; the pairs travel by
+    --exchange-mode (agreed indices here, all_gather in the one-replica run)."""
+    runs = {}
+    for replicas, mode in ((2, "allreduce"), (1, "allreduce")):
+        proc = run_convergence("--seeds", "1", "--epochs", "1", "--densities", "0.01", "--methods", "topk_ef",
+                               "--hidden", str(HIDDEN), "--replicas", str(replicas), "--exchange-mode", mode, "--json")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[replicas] = json.loads(proc.stdout)
+    two, one = runs[2], runs[1]
+    assert (two["replicas"], two["exchange_mode"]) == (2, "allreduce")
+    assert two["configs"][1]["exchange_mode_code"] == 2.0  # agreed indices between the two replicas
+    assert one["configs"][1]["exchange_mode_code"] == 1.0  # one replica: nothing to agree on
+    for result in (one, two):
+        assert result["configs"][1]["test_accuracy_mean"] > 0.5  # digits after one epoch (chance 0.1)
+    # Half a batch per replica, so each replica's top-k of its own gradient: not the one-replica run.
+    assert two["configs"][1]["test_accuracy_per_seed"] != one["configs"][1]["test_accuracy_per_seed"]
+
+
 @pytest.mark.parametrize("args,message", [
+    (("--replicas", "3"), r"--replicas must be >= 1 and divide --batch-size \(32\), got 3"),
     (("--workers", "1"), "--workers must be >= 2"),
     (("--methods", "topk_mc", "--optimizer", "adam"), "topk_mc .* needs --optimizer sgd with --momentum > 0"),
     (("--methods", "topk_mc", "--momentum", "0"), "topk_mc .* needs --optimizer sgd with --momentum > 0"),

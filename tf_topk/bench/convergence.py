@@ -26,11 +26,15 @@ would send in a cluster of `--workers` workers (all_gather of the pairs
 actually selected, plus the ring all-reduce of the small variables; dense:
 the ring all-reduce of everything), with the adaptive rule's density per epoch.
 
-One process, one replica: selection and error feedback act exactly as they
-do per replica in multi-worker training; only the exchange is missing, which
-does not change the arithmetic of one replica's update. Variables smaller than
-the library's `min_size` (biases, the 2,560-entry output layer) stay dense,
-as in the library.
+One process. With one replica (the default) selection and error feedback
+act exactly as they do per replica in multi-worker training, and every
+exchange mode is the same algorithm. `--replicas P` trains with
+MirroredStrategy over P logical CPUs: each replica takes its shard of the
+batch (global batch `--batch-size`) and keeps its own residuals, and the
+pairs travel by `--exchange-mode` as they do across machines, so all_gather,
+agreed indices and "auto" differ as they would on a cluster. Variables
+smaller than the library's `min_size` (biases, the 2,560-entry output layer)
+stay dense, as in the library.
 """
 
 import argparse
@@ -102,32 +106,34 @@ def make_optimizer(keras, method, density, args, steps_per_epoch):
     inner = make_inner(keras, args)
     if method == "dense":
         return inner
+    common = dict(method=args.method, min_size=args.min_size, exchange_mode=args.exchange_mode)
     if method in ("adaptive", "adaptive_mc"):
         return tf_topk.TopKOptimizer(inner, density=tf_topk.schedule.AdaptiveDensity(replicas=args.workers),
-                                     method=args.method, min_size=args.min_size,
-                                     momentum_correction=method == "adaptive_mc")
+                                     momentum_correction=method == "adaptive_mc", **common)
     if args.warmup_epochs:
         density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=density)
     if method == "topk_ef":
-        return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size)
+        return tf_topk.TopKOptimizer(inner, density=density, **common)
     if method == "topk_mc":
-        return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size,
-                                     momentum_correction=True)
+        return tf_topk.TopKOptimizer(inner, density=density, momentum_correction=True, **common)
     if method == "topk_noef":
-        return tf_topk.TopKOptimizer(inner, density=density, method=args.method, min_size=args.min_size,
-                                     error_feedback=False)
+        return tf_topk.TopKOptimizer(inner, density=density, error_feedback=False, **common)
     if method == "randk_ef":
-        return random_k_optimizer(inner, density=density, method=args.method, min_size=args.min_size)
+        return random_k_optimizer(inner, density=density, **common)
     raise ValueError(f"unknown method {method!r}")
 
 
 def _bytes_callback(keras, optimizer, model, workers):
     """A callback that adds up, per epoch, the bytes one of `workers` workers
-    would send: for a TopKOptimizer, the pairs it selected each step to every
-    other worker plus the ring all-reduce of the small variables and the
-    non-finite count; for the inner optimizer alone, the ring all-reduce of
-    every gradient. Also keeps the density of each epoch's steps."""
-    from tf_topk.routes import mode_bytes, ring_all_reduce_bytes
+    would send: for a TopKOptimizer, the pairs it selected each step by the
+    route the step took (all_gather unless the run has several replicas and
+    another exchange mode) plus the ring all-reduce of the small variables
+    and the non-finite count; for the inner optimizer alone, the ring
+    all-reduce of every gradient. Also keeps the density of each epoch's
+    steps."""
+    from tf_topk.routes import MODE_CODES, mode_bytes, ring_all_reduce_bytes
+
+    route_of_code = {code: name for name, code in MODE_CODES.items()}
 
     class Bytes(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
@@ -141,7 +147,9 @@ def _bytes_callback(keras, optimizer, model, workers):
             stats = optimizer.compression_stats()
             sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
             small = sum(n for n in sizes if n < optimizer.min_size) + 1  # the dense path and the count
-            self.total += mode_bytes("allgather", stats["selected"], 0, workers) + \
+            route = route_of_code.get(round(stats["exchange_mode"]), "allgather")
+            sparse = sum(n for n in sizes if n >= optimizer.min_size)
+            self.total += mode_bytes(route, stats["selected"], sparse, workers) + \
                 ring_all_reduce_bytes(4.0 * small, workers)
             self._epoch_densities.append(stats["density"])
 
@@ -154,16 +162,36 @@ def _bytes_callback(keras, optimizer, model, workers):
     return Bytes()
 
 
-def train_one(method, density, seed, data, args):
+def replica_strategy(replicas):
+    """MirroredStrategy over `replicas` logical CPUs (made by `main` before
+    TensorFlow starts), or the default strategy for one replica."""
+    import tensorflow as tf
+
+    if replicas == 1:
+        return tf.distribute.get_strategy()
+    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+
+
+def split_cpu(replicas):
+    """Make `replicas` logical CPUs; must run before TensorFlow starts its devices."""
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+
+
+def train_one(method, density, seed, data, args, strategy):
     """Train one configuration and seed; returns per-epoch curves and the optimizer's last stats."""
     import keras
 
     x_train, y_train, x_test, y_test = data
     keras.utils.set_random_seed(seed)
-    model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1, args.model)
-    optimizer = make_optimizer(keras, method, density, args, -(-len(x_train) // args.batch_size))
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
+    with strategy.scope():
+        model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1,
+                           args.model)
+        optimizer = make_optimizer(keras, method, density, args, -(-len(x_train) // args.batch_size))
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
     counter = _bytes_callback(keras, optimizer, model, args.workers)
     history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
                         validation_data=(x_test, y_test), shuffle=True, verbose=0, callbacks=[counter])
@@ -191,6 +219,7 @@ def _std(values):
 
 def run(args, log=None):
     data = load_data(args.dataset)
+    strategy = replica_strategy(args.replicas)
     configs = [("dense", None)] + [(m, d) for d in args.densities for m in args.methods]
     if args.adaptive:
         configs.append(("adaptive", None))
@@ -202,7 +231,7 @@ def run(args, log=None):
         runs = []
         t0 = time.monotonic()
         for seed in range(args.seeds):
-            runs.append(train_one(method, density, seed, data, args))
+            runs.append(train_one(method, density, seed, data, args, strategy))
         params = runs[0]["params"]
         final = [r["val_accuracy"][-1] for r in runs]
         row = {
@@ -224,6 +253,8 @@ def run(args, log=None):
             row["random_k_bound"] = round(statistics.fmean(r["stats"].get("random_k_bound", float("nan"))
                                                            for r in runs), 5)
             row["sent_density"] = round(statistics.fmean(r["stats"].get("density", float("nan")) for r in runs), 6)
+            # The last step's route (0 dense, 1 all_gather, 2 agreed indices; tf_topk.routes.MODE_CODES).
+            row["exchange_mode_code"] = statistics.fmean(r["stats"].get("exchange_mode", float("nan")) for r in runs)
         if method in ("adaptive", "adaptive_mc"):
             row["curves"]["density"] = _mean_curve(runs, "densities")
         rows.append(row)
@@ -247,6 +278,7 @@ def run(args, log=None):
                       + (", nesterov=True)" if args.nesterov else ")")),
         "selection_method": args.method, "min_size": args.min_size, "warmup_epochs": args.warmup_epochs,
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
+        "replicas": args.replicas, "exchange_mode": args.exchange_mode,
         "densities": args.densities, "methods": ["dense", *args.methods],
         "configs": rows,
         "workers_for_bytes": args.workers,
@@ -413,6 +445,11 @@ def main(argv=None):
                         help="variables with fewer entries stay dense (default: the library's, 4096)")
     parser.add_argument("--adaptive", action="store_true",
                         help="also train with the adaptive density (tf_topk.schedule.AdaptiveDensity)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="train with MirroredStrategy over this many logical CPUs, each its shard of the "
+                             "batch and its own residuals (default 1)")
+    parser.add_argument("--exchange-mode", choices=("allgather", "allreduce", "auto"), default="allgather",
+                        help="how the sparse methods' pairs travel between replicas (with --replicas > 1)")
     parser.add_argument("--workers", type=int, default=4,
                         help="the cluster size bytes are counted for, and the adaptive rule's cost model assumes")
     parser.add_argument("--plot", metavar="PNG", help="draw the curves to this file (needs matplotlib)")
@@ -429,6 +466,8 @@ def main(argv=None):
         parser.error("--seeds, --epochs and --batch-size must be >= 1")
     if args.workers < 2:
         parser.error(f"--workers must be >= 2 (bytes are what a worker sends to the others), got {args.workers}")
+    if args.replicas < 1 or args.batch_size % args.replicas:
+        parser.error(f"--replicas must be >= 1 and divide --batch-size ({args.batch_size}), got {args.replicas}")
     if args.warmup_epochs < 0:
         parser.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if args.model is None:
@@ -440,6 +479,9 @@ def main(argv=None):
 
     def log(message):
         print(f"[convergence] {message}", file=sys.stderr, flush=True)
+
+    if args.replicas > 1:
+        split_cpu(args.replicas)
 
     result = run(args, log=log)
     if args.plot:
