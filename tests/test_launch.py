@@ -1,7 +1,6 @@
 """Tests of tf_topk.launch with real processes (tests/workers/behave.py, no TensorFlow)."""
 
 import io
-import json
 import os
 import re
 import signal

@@ -14,7 +14,6 @@ from digits_models import digits, mlp
 
 import tf_topk
 from tf_topk.memory import MomentumCorrectionMemory, make_state_variable
-from tf_topk.selector import TopKSelector
 
 
 def compile_fit(model, optimizer, x, y, epochs=2):

@@ -45,13 +45,12 @@ import math
 import tensorflow as tf
 
 from tf_topk import ops
-from tf_topk.config import (DEFAULT_MIN_SIZE, EXCHANGE_MODES, ExchangeConfig, check_bucket_bytes,  # noqa: F401
-                            check_exchange_mode, check_local_clipnorm, check_min_size)
+from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFAULT_MIN_SIZE: public here too)
 from tf_topk.memory import Memory, make_state_variable, memory_for
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
 from tf_topk.routes import Bucket, Router, all_reduce_dense, carries, ring_all_reduce_bytes, router_for, taken_out
 from tf_topk.selector import Selector, TopKSelector
-from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401
+from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401  public here too
 
 ExchangeResult = collections.namedtuple("ExchangeResult", ["grads", "all_finite", "stats"])
 ExchangeResult.__doc__ = """What one exchange returns.

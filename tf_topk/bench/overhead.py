@@ -39,7 +39,7 @@ def measure(density, repeats=15, method="gaussian", seed=0):
     from tensorflow import keras
 
     import tf_topk
-    from tf_topk.exchange import SparseGradient, apply_sparse_sgd
+    from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd
 
     rng = np.random.default_rng(seed)
     variables = [tf.Variable(tf.zeros(shape), name=f"v{i}") for i, shape in enumerate(SHAPES)]

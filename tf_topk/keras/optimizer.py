@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from tf_topk.adapter import (FROM_CONFIG, InnerOverrides, TopKWrapper, check_inner_only_arguments,
                              check_inner_optimizer, exchange_parts, wrapper_exchange_config)
-from tf_topk.exchange import SparseGradient, apply_sparse_sgd
+from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd
 from tf_topk.keras.loss_scale_fix import apply_loss_scale_fix
 from tf_topk.keras.mwms_fix import apply_mwms_fix
 from tf_topk.replica_state import keeps_replica_values, restore_value, saved_values
