@@ -15,7 +15,8 @@ SparseExchange and tf.train.CheckpointManager, slow): worker 1 is killed with
 SIGKILL mid-run, both are restarted and resume from the last checkpoint, and
 end with the weights and each worker's residuals and velocities of an
 uninterrupted run, bitwise. A checkpoint of 2 workers restored by one process
-gives it the sum (the total is kept).
+gives it the sum (the total is kept), and the dense-path velocity, the same
+on both workers, as it was.
 """
 
 import concurrent.futures
@@ -183,8 +184,11 @@ def test_a_checkpoint_of_two_workers_restored_by_one_process_keeps_the_total(tmp
     assert load_json(single / "attempt0_worker0.json")["restored_step"] == 4
     workers = [load_weights(out / f"worker{worker}_state.npz") for worker in (0, 1)]
     restored = load_weights(single / "worker0_state.npz")
-    assert not np.array_equal(workers[0][0], workers[1][0])
-    for first, second, one in zip(*workers, restored, strict=True):
-        np.testing.assert_array_equal(one, first + second)  # sum / 1 replica
+    # Per-worker state (residual, velocity) differs; the dense-path velocity is the same on both.
+    same = [np.array_equal(first, second) for first, second in zip(*workers, strict=True)]
+    assert not same[0] and any(same), same
+    for first, second, one, replicated in zip(*workers, restored, same, strict=True):
+        # sum / 1 replica keeps the total; state the same on every worker comes back as it was
+        np.testing.assert_array_equal(one, first if replicated else first + second)
     for a, b in zip(load_weights(out / "worker0.npz"), load_weights(single / "worker0.npz"), strict=True):
         np.testing.assert_array_equal(a, b)
