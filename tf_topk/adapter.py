@@ -218,13 +218,6 @@ def exchange_parts(config, **parts):
     return parts
 
 
-def exchange_from_config(variables, config, **parts):
-    """The SparseExchange of `config` with `parts` (selector, memory, router,
-    make_state; None: the exchange's default). The one place a wrapper makes
-    its exchange, so how the config reaches it is decided here alone."""
-    return SparseExchange(variables, config, **{name: part for name, part in parts.items() if part is not None})
-
-
 def flat_config(config):
     """`config` as get_config writes it: ExchangeConfig's fields with the
     density's config, momentum and nesterov as momentum_correction (they are
@@ -297,7 +290,7 @@ class TopKWrapper:
             return self._tf_variable(state)
 
         # Held outside Keras tracking: its state is the variables above.
-        object.__setattr__(self, "_exchange_object", exchange_from_config(
+        object.__setattr__(self, "_exchange_object", SparseExchange(
             var_list, self._exchange_config, make_state=make_state, **self._exchange_parts))
         self.skipped_steps = self._make_variable("skipped_steps", (), "int64", "counter")
         self._stat_variables = {stat: self._make_variable(f"compression_{stat}", (), "float32", "stat")

@@ -123,7 +123,8 @@ class SparseExchange(tf.Module):
                             "or exchange_mode=...")
         if config is not None and not isinstance(config, ExchangeConfig):
             raise TypeError(f"config must be a tf_topk.ExchangeConfig, got {config!r}")
-        self.config = (config or ExchangeConfig()).replace(**options) if options else (config or ExchangeConfig())
+        config = config or ExchangeConfig()
+        self.config = config.replace(**options) if options else config
         variables = list(variables)
         if not variables:
             raise ValueError("variables must be a non-empty list of variables, got []")
