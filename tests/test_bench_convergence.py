@@ -110,7 +110,8 @@ def test_random_k_baseline_is_the_library_optimizer_with_only_the_selector_repla
     from tf_topk.selector import RandomKSelector
 
     args = argparse.Namespace(optimizer="sgd", learning_rate=0.05, momentum=0.9, nesterov=False, method="exact",
-                              min_size=2000, warmup_epochs=0, workers=4, exchange_mode="auto")
+                              min_size=2000, warmup_epochs=0, workers=4, exchange_mode="auto",
+                              agreement="nominated")
     model = convergence.make_model(keras, 64, [HIDDEN], 10)
     topk = convergence.make_optimizer(keras, "topk_ef", 0.01, args, steps_per_epoch=10)
     randk = convergence.make_optimizer(keras, "randk_ef", 0.01, args, steps_per_epoch=10)
@@ -125,6 +126,25 @@ def test_random_k_baseline_is_the_library_optimizer_with_only_the_selector_repla
     # The same error feedback: one residual, for the 64x128 kernel, tracked by the optimizer.
     assert len(randk.residuals) == len(topk.residuals) == 1
     assert any(randk.residuals[0] is v for v in randk.variables)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+def test_adam_runs_error_feedback_without_and_topk_mc_with_adams_correction(optimizer):
+    """topk_ef is top-k + EF in front of Adam (not TopKOptimizer's default for Adam);
+    topk_mc is Adam's momentum correction, warmed up dense over the first 10% of the steps."""
+    import keras
+
+    from tf_topk.bench import convergence
+
+    args = argparse.Namespace(optimizer=optimizer, learning_rate=0.001, weight_decay=0.01, method="exact",
+                              min_size=2000, warmup_epochs=0, workers=4, exchange_mode="auto",
+                              agreement="nominated", epochs=30)
+    plain = convergence.make_optimizer(keras, "topk_ef", 0.01, args, steps_per_epoch=45)
+    corrected = convergence.make_optimizer(keras, "topk_mc", 0.01, args, steps_per_epoch=45)
+    noef = convergence.make_optimizer(keras, "topk_noef", 0.01, args, steps_per_epoch=45)
+    assert not plain.momentum_correction and not noef.momentum_correction and not noef.error_feedback
+    assert corrected.momentum_correction and corrected.exchange_config.beta_2 == 0.999
+    assert corrected.exchange_config.variance_warmup_steps == 45 * 30 // 10
 
 
 @pytest.mark.slow
@@ -201,13 +221,17 @@ def test_several_replicas_per_run_exchange_by_the_mode_asked(tmp_path):
     half of the batch and its own residuals; the pairs travel by
     --exchange-mode (agreed indices here, all_gather in the one-replica run)."""
     runs = {}
-    for replicas, mode in ((2, "allreduce"), (1, "allreduce")):
+    for name, replicas, extra in (("two", 2, ()), ("one", 1, ()), ("leader", 2, ("--agreement", "leader"))):
         proc = run_convergence("--seeds", "1", "--epochs", "1", "--densities", "0.01", "--methods", "topk_ef",
-                               "--hidden", str(HIDDEN), "--replicas", str(replicas), "--exchange-mode", mode, "--json")
+                               "--hidden", str(HIDDEN), "--replicas", str(replicas), "--exchange-mode", "allreduce",
+                               *extra, "--json")
         assert proc.returncode == 0, proc.stderr[-4000:]
-        runs[replicas] = json.loads(proc.stdout)
-    two, one = runs[2], runs[1]
-    assert (two["replicas"], two["exchange_mode"]) == (2, "allreduce")
+        runs[name] = json.loads(proc.stdout)
+    two, one, leader = runs["two"], runs["one"], runs["leader"]
+    assert (two["replicas"], two["exchange_mode"], two["agreement"]) == (2, "allreduce", "nominated")
+    assert leader["agreement"] == "leader" and leader["configs"][1]["exchange_mode_code"] == 2.0
+    # ScaleCom's rule and the nominations choose other indices: other weights after an epoch.
+    assert leader["configs"][1]["train_loss_mean"] != two["configs"][1]["train_loss_mean"]
     assert two["configs"][1]["exchange_mode_code"] == 2.0  # agreed indices between the two replicas
     assert one["configs"][1]["exchange_mode_code"] == 1.0  # one replica: nothing to agree on
     for result in (one, two):
@@ -219,9 +243,9 @@ def test_several_replicas_per_run_exchange_by_the_mode_asked(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (("--replicas", "3"), r"--replicas must be >= 1 and divide --batch-size \(32\), got 3"),
     (("--workers", "1"), "--workers must be >= 2"),
-    (("--methods", "topk_mc", "--optimizer", "adam"), "topk_mc .* needs --optimizer sgd with --momentum > 0"),
-    (("--methods", "topk_mc", "--momentum", "0"), "topk_mc .* needs --optimizer sgd with --momentum > 0"),
+    (("--methods", "topk_mc", "--momentum", "0"), "topk_mc .* needs --momentum > 0 with --optimizer sgd"),
     (("--warmup-epochs", "-1"), "--warmup-epochs must be >= 0, got -1"),
+    (("--agreement", "leader"), "--agreement leader needs --exchange-mode allreduce, got auto"),
 ])
 def test_bad_arguments_are_refused_before_training(args, message):
     proc = run_convergence(*args, timeout=60)

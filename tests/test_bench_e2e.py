@@ -131,6 +131,27 @@ def test_summary_and_ratios():
     assert "topk:0.01" in table and "4.00x" in table
 
 
+def test_exchange_modes_name_the_configurations_and_reach_the_workers(capsys):
+    from tf_topk.bench.e2e_worker import parse_config
+
+    assert e2e.configurations([0.01, 0.001]) == ["dense", "topk:0.01", "topk:0.001"]
+    assert e2e.configurations([0.01], dgc=True, exchange_modes=["allgather", "allreduce"]) == [
+        "dense", "topk:0.01@allgather", "topk:0.01@allreduce", "dgc:0.01@allgather", "dgc:0.01@allreduce"]
+    assert parse_config("topk:0.01@allreduce") == ("topk", 0.01, "allreduce")
+    assert parse_config("dgc:1e-3") == ("dgc", 0.001, None)
+    assert parse_config("dense") == (None, None, None)
+    for bad in ("topk:0.01@", "topk:2", "topk:0.01@all-gather"):
+        with pytest.raises(ValueError, match="config must be"):
+            parse_config(bad)
+    row = e2e.summarize("topk:0.01@allreduce", [{"steps": 1, "step_times": [1.0], "batch_size": 8, "replicas": 2,
+                                                 "losses": [1.0], "ready_s": 1.0, "wire": None, "tcp": None,
+                                                 "estimated_bytes_sent": 10}], 1.0)
+    assert (row["density"], row["exchange_mode"]) == (0.01, "allreduce")
+    with pytest.raises(SystemExit):
+        e2e.main(["--exchange-modes", "allgather,ring", "--no-netns", "--bandwidth", "none"])
+    assert "exchange modes must be among auto,allgather,allreduce, got 'allgather,ring'" in capsys.readouterr().err
+
+
 def test_refuses_limits_without_namespaces_and_explains_root(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--no-netns", "--bandwidth", "100mbit"])

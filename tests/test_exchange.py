@@ -276,7 +276,7 @@ grads[:, 9] = [0.5, 0.25, 0.125]
 for sparse_output in (False, True):
     with strategy.scope():
         exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros(2000))], density=0.001, min_size=1000,
-                                          sparse_output=sparse_output)
+                                          sparse_output=sparse_output, exchange_mode="allgather")
 
     @tf.function
     def order_step():
@@ -290,20 +290,21 @@ for sparse_output in (False, True):
         d.numpy()[[5, 9]].tolist() for d in strategy.experimental_local_results(order_step())]
 
 # Byte statistics of float64 variables: 8 bytes per dense entry.
-with strategy.scope():
-    variables = [tf.Variable(tf.zeros(3000, tf.float64)), tf.Variable(tf.zeros(50, tf.float64))]
-    exchange = tf_topk.SparseExchange(variables, density=0.01, min_size=1000)
+for mode in ("allgather", "allreduce"):
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(3000, tf.float64)), tf.Variable(tf.zeros(50, tf.float64))]
+        exchange = tf_topk.SparseExchange(variables, density=0.01, min_size=1000, exchange_mode=mode)
 
-@tf.function
-def bytes_step():
-    def replica_fn():
-        stats = exchange([tf.ones(3000, tf.float64), tf.ones(50, tf.float64)]).stats
-        return stats["bytes_sent"], stats["bytes_dense"]
-    return strategy.run(replica_fn)
+    @tf.function
+    def bytes_step():
+        def replica_fn():
+            stats = exchange([tf.ones(3000, tf.float64), tf.ones(50, tf.float64)]).stats
+            return stats["bytes_sent"], stats["bytes_dense"]
+        return strategy.run(replica_fn)
 
-sent, dense = bytes_step()
-report["bytes"] = [float(strategy.experimental_local_results(sent)[0]),
-                   float(strategy.experimental_local_results(dense)[0])]
+    sent, dense = bytes_step()
+    report[f"bytes_{mode}"] = [float(strategy.experimental_local_results(sent)[0]),
+                               float(strategy.experimental_local_results(dense)[0])]
 print(json.dumps(report))
 """
 
@@ -327,12 +328,14 @@ def test_densification_sums_the_replicas_in_replica_order(three_replicas, sparse
 
 
 def test_byte_statistics_count_float64_entries_at_eight_bytes(three_replicas):
-    sent, dense = three_replicas["bytes"]
     ring = 2 * 2 / 3  # a ring all-reduce over 3 workers sends 2(P-1)/P of the buffer
-    assert dense == pytest.approx(ring * 8 * 3050, rel=1e-6)
-    # all_gather of 30 pairs to 2 others; the float64 dense variable and the
-    # non-finite count in their own all-reduce (float64 does not ride the float32 buffers).
-    assert sent == pytest.approx(2 * 8 * 30 + ring * (8 * 50 + 4), rel=1e-6)
+    for mode, pairs in (("allgather", 2 * 8 * 30), ("allreduce", 2 * ring * 4 * 30)):
+        sent, dense = three_replicas[f"bytes_{mode}"]
+        assert dense == pytest.approx(ring * 8 * 3050, rel=1e-6)
+        # all_gather of 30 pairs to 2 others, or the ring all-reduces of 30 indices and
+        # 30 values; the float64 dense variable and the non-finite count in their own
+        # all-reduce (float64 does not ride the float32 buffers).
+        assert sent == pytest.approx(pairs + ring * (8 * 50 + 4), rel=1e-6), mode
 
 
 def test_sparse_gradient_rows_are_summed_in_row_order():

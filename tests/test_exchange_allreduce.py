@@ -3,8 +3,11 @@
 Three replicas run tests/workers/agreed_replicas.py twice: as logical CPUs of
 one process (MirroredStrategy) and as three real worker processes
 (MultiWorkerMirroredStrategy). Both are compared with the algorithm written
-in numpy here: at step t the leader t mod 3 picks its exact top-k, every
-replica sends its own accumulated values there and keeps the rest. Then the
+in numpy here: the agreed indices are the replicas' nominations (slot j of a
+variable's k goes to replica j mod 3, which names its (j // 3)-th largest
+entry; an index named twice counts once), or with ScaleCom's rule the exact
+top-k of the leader t mod 3; every replica sends its own accumulated values
+there and keeps the rest. Then the
 volume formulas behind exchange_mode="auto", the argument in both Keras
 wrappers, and a Keras fit on three replicas under "auto".
 """
@@ -20,7 +23,7 @@ import numpy as np
 import pytest
 
 from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
-from tf_topk.routes import MODE_CODES, choose_mode, mode_bytes, ring_all_reduce_bytes
+from tf_topk.routes import ALLGATHER_SHARE, MODE_CODES, choose_mode, mode_bytes, ring_all_reduce_bytes
 
 SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
 MIN_SIZE, DENSITY, FIRST_DENSITY, REPLICAS, STEPS, NAN_STEP, MOMENTUM = 1000, 0.01, 0.6, 3, 4, 2, 0.9
@@ -28,7 +31,8 @@ CONFIG = dict(shapes=SHAPES, replicas=REPLICAS, steps=STEPS, density=DENSITY, na
               momentum=MOMENTUM, first_density=FIRST_DENSITY)
 SPARSE = [v for v, shape in enumerate(SHAPES) if math.prod(shape) >= MIN_SIZE]
 DENSE = [v for v in range(len(SHAPES)) if v not in SPARSE]
-RUNS = ("ef", "ef_buckets", "dgc", "auto_schedule")
+RUNS = ("ef", "ef_leader", "ef_same", "ef_buckets", "dgc", "auto_schedule")
+NAN_RUNS = ("ef", "ef_leader")  # the others get the non-finite entry as 0
 CLOSE = dict(rtol=2e-5, atol=2e-5)
 
 
@@ -36,8 +40,14 @@ def top_k_indices(flat, k):
     return np.argsort(-np.abs(flat), kind="stable")[:k]
 
 
+def nominated_indices(accumulated, k):
+    """The union of the replicas' nominations: slot j holds replica (j mod P)'s (j // P)-th largest entry."""
+    ranked = [top_k_indices(a, k) for a in accumulated]
+    return np.unique([ranked[j % len(accumulated)][j // len(accumulated)] for j in range(k)])
+
+
 def reference(data, label):
-    """Per step: (all_finite, summed gradients, residuals[r][slot], velocities[r][slot], leader's indices,
+    """Per step: (all_finite, summed gradients, residuals[r][slot], velocities[r][slot], agreed indices,
     dense step)."""
     sizes = [math.prod(shape) for shape in SHAPES]
     residuals = [[np.zeros(sizes[v], np.float32) for v in SPARSE] for _ in range(REPLICAS)]
@@ -47,8 +57,10 @@ def reference(data, label):
     for s in range(STEPS):
         grads = [[data[f"input/step{s}/grad{v}"][r].reshape(-1) for v in range(len(SHAPES))]
                  for r in range(REPLICAS)]
-        if s == NAN_STEP and label != "ef":
+        if s == NAN_STEP and label not in NAN_RUNS:
             grads = [[np.nan_to_num(g) for g in gs] for gs in grads]
+        if label == "ef_same":
+            grads = [grads[0]] * REPLICAS
         finite = all(np.isfinite(g).all() for gs in grads for g in gs)
         density = FIRST_DENSITY if (label == "auto_schedule" and s == 0) else DENSITY
         dense_step = label == "auto_schedule" and s == 0
@@ -69,8 +81,13 @@ def reference(data, label):
         leader = s % REPLICAS
         for slot, v in enumerate(SPARSE):
             n = sizes[v]
-            indices = np.arange(n) if dense_step else top_k_indices(accumulated[leader][slot],
-                                                                    max(1, math.ceil(density * n)))
+            k = max(1, math.ceil(density * n))
+            if dense_step:
+                indices = np.arange(n)
+            elif label == "ef_leader":
+                indices = top_k_indices(accumulated[leader][slot], k)
+            else:
+                indices = nominated_indices([accumulated[r][slot] for r in range(REPLICAS)], k)
             leader_indices.append(indices)
             for r in range(REPLICAS):
                 sent = np.zeros(n, np.float32)
@@ -119,7 +136,7 @@ def check_against_reference(results):
                     for slot in range(len(SPARSE)):
                         np.testing.assert_allclose(data[f"{prefix}/velocity{slot}"].reshape(-1),
                                                    velocities[r][slot], **CLOSE)
-                # Index agreement: every replica's residual is zero exactly at the leader's indices.
+                # Index agreement: every replica's residual is zero exactly at the agreed indices.
                 for slot, indices in enumerate(leader_indices):
                     zero = np.flatnonzero(data[f"{prefix}/residual{slot}"].reshape(-1) == 0)
                     np.testing.assert_array_equal(zero, np.sort(indices))
@@ -127,8 +144,14 @@ def check_against_reference(results):
                 assert float(data[f"{prefix}/exchange_mode"]) == MODE_CODES[mode]
                 assert float(data[f"{prefix}/bytes_sent"]) == pytest.approx(expected_bytes(dense_step), rel=1e-6)
     # The leader rotates: the agreed index sets of consecutive steps differ.
-    first, second = reference(results[0], "ef")[:2]
+    first, second = reference(results[0], "ef_leader")[:2]
     assert not np.array_equal(np.sort(first[4][0]), np.sort(second[4][0]))
+    # Nominations are not the leader's choice; where every replica names the same entries, each
+    # counts once (the sums above hold 3x, not 9x, the accumulated value) and the rest are spare slots.
+    nominated, led = reference(results[0], "ef")[0][4], reference(results[0], "ef_leader")[0][4]
+    assert any(not np.array_equal(np.sort(a), np.sort(b)) for a, b in zip(nominated, led))
+    same = reference(results[0], "ef_same")[0][4]
+    assert [len(i) for i in same] == [math.ceil(len(i) / REPLICAS) for i in led]
 
 
 def check_bitwise_identical(results):
@@ -186,17 +209,24 @@ def test_mode_bytes_follow_the_ring_and_all_gather_formulas():
     (2, 10, 10_000, "allgather"),     # equal bytes at P = 2: each replica's own top-k wins the tie
     (2, 5_000, 10_000, "allgather"),  # k = n/P: all_gather equals dense, still sparse
     (2, 5_001, 10_000, "dense"),      # above 1/P at P = 2
-    (3, 10, 10_000, "allreduce"),
+    (3, 10, 10_000, "allgather"),     # P * k = n / 333: all_gather, more bytes than agreed indices
+    (4, 156, 10_000, "allgather"),    # P * k = 624 <= n / 16 = 625
+    (4, 157, 10_000, "allreduce"),    # P * k = 628: the fewest bytes
     (8, 1_000, 10_000, "allreduce"),  # all_gather would send 7x its pairs, more than dense
     (8, 5_000, 10_000, "allreduce"),
     (8, 5_001, 10_000, "dense"),      # the agreed indices cost more than the values: dense
-    (1024, 1, 10_000_000, "allreduce"),
+    (1024, 1, 10_000_000, "allgather"),
+    (1024, 1_000, 10_000_000, "allreduce"),  # P * k = n / 9.8
 ])
-def test_auto_picks_the_fewest_bytes(replicas, pairs, entries, expected):
+def test_auto_keeps_allgather_while_small_beside_dense_then_picks_the_fewest_bytes(replicas, pairs, entries,
+                                                                                  expected):
     mode = choose_mode(replicas, pairs, entries)
     assert mode == expected
     bytes_of = {m: mode_bytes(m, pairs, entries, replicas) for m in ("dense", "allgather", "allreduce")}
-    assert bytes_of[mode] == min(bytes_of.values()) <= bytes_of["dense"]
+    if replicas * pairs <= entries * ALLGATHER_SHARE:
+        assert mode == "allgather" and bytes_of[mode] <= bytes_of["dense"] / 16
+    else:
+        assert bytes_of[mode] == min(bytes_of.values()) <= bytes_of["dense"]
 
 
 def test_auto_never_sends_more_than_dense():
@@ -225,15 +255,27 @@ def test_exchange_and_optimizer_take_the_mode_and_refuse_a_wrong_one():
     config = optimizer.get_config()
     assert config["exchange_mode"] == "allreduce"
     assert type(optimizer).from_config(config).exchange_mode == "allreduce"
-    assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)).get_config()["exchange_mode"] == "allgather"
+    assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)).get_config()["exchange_mode"] == "auto"
+    assert tf_topk.SparseExchange([tf.Variable(tf.zeros([10]))]).config.exchange_mode == "auto"
     import tf_keras
 
     import tf_topk.tf_keras
 
     legacy = tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), exchange_mode="allgather")
     assert type(legacy).from_config(legacy.get_config()).exchange_mode == "allgather"
+    assert tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1)).exchange_mode == "auto"
     with pytest.raises(ValueError, match="exchange_mode must be one of .*'ring'"):
         tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), exchange_mode="ring")
+
+
+def test_agreed_index_route_names_its_rule_and_refuses_an_unknown_one():
+    from tf_topk.routes import ROUTES, AgreedIndexRoute, AutoRouter, FixedRouter
+
+    assert ROUTES["allreduce"].agreement == "nominated" and not ROUTES["allreduce"].uses_leader
+    assert AgreedIndexRoute("leader").uses_leader and FixedRouter(AgreedIndexRoute("leader")).uses_leader
+    assert not AutoRouter().uses_leader  # no call counter for "auto"
+    with pytest.raises(ValueError, match=r"agreement must be one of \('nominated', 'leader'\), got 'sum'"):
+        AgreedIndexRoute("sum")
 
 
 def test_one_replica_sends_nothing_and_keeps_the_residual():

@@ -2,7 +2,7 @@
 
 One process runs 1, 2 and 3 replicas (MirroredStrategy over logical CPUs).
 Each cell is one exchange mode, output form, memory and bucket layout, run
-for several steps so that the agreed-index leader (step mod P) rotates. The
+for several steps. The
 variables are chosen for the cases where offsets into a bucket and spare
 slots matter: sizes that differ inside one bucket, a dense-path variable,
 gradients with fewer non-zeros than k, an all-zero gradient and a None
@@ -92,6 +92,16 @@ def top_k_non_zero(acc, k):
     return chosen[acc[chosen] != 0]
 
 
+def nominated(accumulated, k):
+    """The agreed indices of one variable: the union of each replica's
+    nominations, slot j of k holding replica (j mod P)'s (j // P)-th largest
+    non-zero entry."""
+    ranked = [top_k_non_zero(acc, k) for acc, _ in accumulated]
+    replicas = len(ranked)
+    return np.unique([ranked[j % replicas][j // replicas] for j in range(k)
+                      if j // replicas < len(ranked[j % replicas])]).astype(np.int64)
+
+
 class Reference:
     """Top-k exchange with error feedback or momentum correction, in numpy.
 
@@ -101,8 +111,9 @@ class Reference:
       Nesterov:            u = m*(u + g); acc = residual + u + g
     and the entries sent depend on the bucket's mode:
       allgather: r's own top-k |acc| (k = ceil(density*n) in [1, n]);
-      allreduce: the leader's (step mod P) top-k indices where the leader's
-        acc is non-zero, and every replica sends its own acc there;
+      allreduce: the nominated indices: of each variable's k slots, slot j
+        holds replica (j mod P)'s (j // P)-th largest non-zero |acc| (none
+        if it has fewer), and every replica sends its own acc at the union;
       dense:     every entry.
     Zero entries send nothing. The result is the sum over replicas of what
     they sent; r's residual is acc with its sent entries zeroed; with
@@ -149,14 +160,13 @@ class Reference:
         gradient) and each bucket's mode; updates the state."""
         summed = [None] * len(VARIABLES)
         modes = []
-        leader = step % self.replicas
         for bucket in self.buckets:
             mode = self.bucket_mode(bucket)
             modes.append(mode)
             for v in bucket:
                 accumulated = [self.accumulate(r, v, grads[r][v]) for r in range(self.replicas)]
                 k = k_of(SIZES[v], self.density)
-                agreed = top_k_non_zero(accumulated[leader][0], k)
+                agreed = nominated(accumulated, k)
                 total = np.zeros(SIZES[v], np.float32)
                 for r, (acc, u) in enumerate(accumulated):
                     if mode == "dense":

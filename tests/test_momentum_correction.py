@@ -104,7 +104,7 @@ def test_exchange_refuses_bad_momentum_settings(kwargs, message):
 # -- the Keras wrapper ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("inner,message", [
-    (lambda: keras.optimizers.Adam(0.01), "needs a keras.optimizers.SGD with momentum > 0 .*got Adam"),
+    (lambda: keras.optimizers.RMSprop(0.01), "needs a keras.optimizers.SGD with momentum > 0, Adam or AdamW .*got RMSprop"),
     (lambda: keras.optimizers.SGD(0.1), "got SGD with momentum=0.0"),
 ])
 def test_momentum_correction_refuses_an_inner_optimizer_without_momentum(inner, message):

@@ -123,8 +123,9 @@ def test_config_round_trip_and_keras_file_restores_residuals(tmp_path):
     x, y = digits(256)
     model = mlp()
     opt = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density=[(0, 0.1), (10, 0.01)],
-                                method="exact", min_size=500, bucket_bytes=4096)
+                                method="exact", min_size=500, bucket_bytes=4096, variance_warmup_steps=2)
     compile_fit(model, opt, x, y)
+    assert opt.momentum_correction  # Adam's, the default for Adam
     config = opt.get_config()
     clone = tf_topk.TopKOptimizer.from_config(config)
     assert isinstance(clone.inner_optimizer, keras.optimizers.Adam)
@@ -245,7 +246,11 @@ def test_momentum_in_the_config_is_the_inner_sgds():
         with pytest.raises(ValueError, match=r"but the inner SGD has momentum=0.9, nesterov=False: .* takes the "
                                              r"inner SGD's momentum"):
             tf_topk.TopKOptimizer(inner, config=config, **kwargs)
-    with pytest.raises(ValueError, match=r"needs a keras.optimizers.SGD with momentum > 0 .*got Adam"):
+    with pytest.raises(ValueError, match=r"needs a keras.optimizers.SGD with momentum > 0, Adam or AdamW .*got RMSprop"):
+        tf_topk.TopKOptimizer(keras.optimizers.RMSprop(0.1), config=ExchangeConfig(momentum=0.9))
+    with pytest.raises(ValueError, match=r"config has momentum=0.9, nesterov=False, beta_2=None, epsilon=1e-07, "
+                                         r"but the inner Adam has momentum=0.9, nesterov=False, beta_2=0.999, "
+                                         r"epsilon=1e-07: .* takes the inner Adam's"):
         tf_topk.TopKOptimizer(keras.optimizers.Adam(0.1), config=ExchangeConfig(momentum=0.9))
     with pytest.raises(ValueError, match=r"needs error_feedback=True"):
         tf_topk.TopKOptimizer(inner, config=ExchangeConfig(error_feedback=False), momentum_correction=True)

@@ -79,14 +79,20 @@ class _RegisterOnImport:
     imported (`import keras`, `import tf_keras`, or TensorFlow importing one of
     them for `tf.keras`), so that a saved model compiled with it loads after
     `import tf_topk` in any order, while `import tf_topk` imports no Keras.
-    A meta path finder for the names in `_REGISTERING_MODULES`: it acts once
-    per name and leaves sys.meta_path when none is left."""
+    A meta path finder for the names in `_REGISTERING_MODULES` and for
+    tf_topk's own modules: a Keras imported while a tf_topk module is still
+    being imported (`from tf_topk.routes import ...` importing TensorFlow,
+    which imports Keras) is registered once that module is done, since the
+    registering module needs it whole. It leaves sys.meta_path when no Keras
+    is left to register."""
 
     def __init__(self, names):
         self.pending = set(names)
+        self.deferred = []
 
     def find_spec(self, name, path=None, target=None):
-        if name not in self.pending or self not in sys.meta_path:
+        own = name.startswith("tf_topk.")
+        if (name not in self.pending and not own) or self not in sys.meta_path:
             return None
         sys.meta_path.remove(self)  # find the real spec without this finder, then take it back
         try:
@@ -99,13 +105,25 @@ class _RegisterOnImport:
 
         def exec_then_register(module):
             exec_module(module)
-            self.pending.discard(name)
+            if not own:
+                self.pending.discard(name)
+                self.deferred.append(name)
+            if _tf_topk_importing(besides=name):
+                return
+            while self.deferred:
+                _register_with(self.deferred.pop(0))
             if not self.pending and self in sys.meta_path:
                 sys.meta_path.remove(self)
-            _register_with(name)
 
         spec.loader.exec_module = exec_then_register
         return spec
+
+
+def _tf_topk_importing(besides):
+    """Whether a tf_topk module other than `besides` is still being imported."""
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items())
+               if name != besides and (name == "tf_topk" or name.startswith("tf_topk.")))
 
 
 def _register_with(keras_name):

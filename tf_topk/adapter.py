@@ -111,14 +111,27 @@ def check_inner_optimizer(inner_optimizer, optimizer_class, wrapper_class, loss_
             "policy and let model.compile wrap it")
 
 
-def check_momentum_correction(inner_optimizer, sgd_class, keras_name):
-    """The inner optimizer must be SGD with momentum: its momentum moves into the exchange."""
+def is_adam(inner_optimizer, adam_classes):
+    """Whether the inner optimizer is Adam or AdamW (of this Keras), whose
+    momentum correction is Adam's (`tf_topk.memory.AdamMomentumCorrectionMemory`)."""
+    return isinstance(inner_optimizer, adam_classes)
+
+
+def check_momentum_correction(inner_optimizer, sgd_class, adam_classes, keras_name):
+    """The inner optimizer must be SGD with momentum (its momentum moves into
+    the exchange) or Adam / AdamW without AMSGrad (its moments do)."""
+    if is_adam(inner_optimizer, adam_classes):
+        if getattr(inner_optimizer, "amsgrad", False):
+            raise ValueError(f"momentum_correction=True with {type(inner_optimizer).__name__} freezes its second "
+                             "moment, which AMSGrad's running maximum would not follow: use amsgrad=False, or "
+                             "momentum_correction=False")
+        return
     is_sgd = isinstance(inner_optimizer, sgd_class)
     if not is_sgd or not inner_optimizer.momentum > 0:
         what = f"SGD with momentum={inner_optimizer.momentum}" if is_sgd else type(inner_optimizer).__name__
         raise ValueError(
-            f"momentum_correction=True needs a {keras_name}.optimizers.SGD with momentum > 0 as inner optimizer "
-            f"(its momentum and nesterov move into the exchange), got {what}. For momentum SGD pass e.g. "
+            f"momentum_correction=True needs a {keras_name}.optimizers.SGD with momentum > 0, Adam or AdamW as "
+            f"inner optimizer (their momentum moves into the exchange), got {what}. For momentum SGD pass e.g. "
             f"{keras_name}.optimizers.SGD(0.1, momentum=0.9); other optimizers train with momentum_correction=False")
 
 
@@ -165,17 +178,20 @@ class _FromConfig:
 FROM_CONFIG = _FromConfig()
 
 
-def wrapper_exchange_config(inner_optimizer, sgd_class, keras_name, config=None, momentum_correction=FROM_CONFIG,
-                            sparse_updates=FROM_CONFIG, sparse_updates_available=True, **options):
+def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name, config=None,
+                            momentum_correction=FROM_CONFIG, sparse_updates=FROM_CONFIG,
+                            sparse_updates_available=True, **options):
     """The wrapper's one ExchangeConfig: `config` (None: the defaults) with the
     arguments given (not FROM_CONFIG) in place of its fields.
 
     `options` are ExchangeConfig fields of the same name; sparse_updates is
     sparse_output; momentum_correction=True sets momentum and nesterov to the
-    inner SGD's (they move into the exchange), False clears them. A config
-    with momentum set asks for momentum correction, so its momentum and
-    nesterov must be the inner SGD's. ExchangeConfig checks the values; here
-    is only what needs the inner optimizer.
+    inner SGD's (they move into the exchange), or momentum, beta_2 and
+    epsilon to the inner Adam's; False clears them. Not given, it is on for
+    Adam and AdamW (what works for them) and as config says otherwise. A
+    config with momentum set asks for momentum correction, so its values must
+    be the inner optimizer's. ExchangeConfig checks the values; here is only
+    what needs the inner optimizer.
     """
     if config is None:
         config = ExchangeConfig()
@@ -185,25 +201,31 @@ def wrapper_exchange_config(inner_optimizer, sgd_class, keras_name, config=None,
     if sparse_updates is not FROM_CONFIG:
         changes["sparse_output"] = sparse_updates
     if momentum_correction is FROM_CONFIG:
-        momentum_correction = config.momentum is not None
+        momentum_correction = config.momentum is not None or is_adam(inner_optimizer, adam_classes)
     if momentum_correction:
-        check_momentum_correction(inner_optimizer, sgd_class, keras_name)
-        momentum, nesterov = float(inner_optimizer.momentum), bool(inner_optimizer.nesterov)
-        if config.momentum is not None and (config.momentum, config.nesterov) != (momentum, nesterov):
+        check_momentum_correction(inner_optimizer, sgd_class, adam_classes, keras_name)
+        if is_adam(inner_optimizer, adam_classes):
+            inner = dict(momentum=float(inner_optimizer.beta_1), nesterov=False,
+                         beta_2=float(inner_optimizer.beta_2), epsilon=float(inner_optimizer.epsilon))
+        else:
+            inner = dict(momentum=float(inner_optimizer.momentum), nesterov=bool(inner_optimizer.nesterov),
+                         beta_2=None)
+        if config.momentum is not None and any(getattr(config, name) != value for name, value in inner.items()):
+            shown = [name for name, value in inner.items() if value is not None or getattr(config, name) is not None]
+            kind = type(inner_optimizer).__name__
             raise ValueError(
-                f"config has momentum={config.momentum}, nesterov={config.nesterov}, but the inner SGD has "
-                f"momentum={momentum}, nesterov={nesterov}: with TopKOptimizer the exchange takes the inner "
-                "SGD's momentum. Leave config's momentum None and pass momentum_correction=True")
-        changes.update(momentum=momentum, nesterov=nesterov)
+                f"config has {', '.join(f'{name}={getattr(config, name)}' for name in shown)}, but the inner {kind} "
+                f"has {', '.join(f'{name}={inner[name]}' for name in shown)}: with TopKOptimizer the exchange takes "
+                f"the inner {kind}'s momentum. Leave config's momentum None and pass momentum_correction=True")
+        changes.update(inner)
     else:
-        changes.update(momentum=None, nesterov=False)
-    config = config.replace(**changes)
-    if config.sparse_output:
+        changes.update(momentum=None, nesterov=False, beta_2=None)
+    if changes.get("sparse_output", config.sparse_output):
         if not sparse_updates_available:
             raise ValueError("sparse_updates=True is available with Keras 3 (tf_topk.TopKOptimizer) and custom "
                              f"loops (SparseExchange(sparse_output=True)), not with {keras_name}")
         check_sparse_updates(inner_optimizer, sgd_class, keras_name, bool(momentum_correction))
-    return config
+    return config.replace(**changes)
 
 
 def exchange_parts(config, **parts):
@@ -223,7 +245,8 @@ def flat_config(config):
     density's config, momentum and nesterov as momentum_correction (they are
     the inner SGD's), sparse_output as sparse_updates."""
     flat = config.get_config()
-    del flat["nesterov"]
+    for inner in ("nesterov", "beta_2", "epsilon"):  # the inner optimizer's
+        del flat[inner]
     flat["momentum_correction"] = flat.pop("momentum") is not None
     flat["sparse_updates"] = flat.pop("sparse_output")
     return flat
@@ -252,7 +275,7 @@ class TopKWrapper:
         object.__setattr__(self, "_exchange_config", config)
         object.__setattr__(self, "_exchange_parts", dict(parts))
         overrides = dict(overrides)
-        if self.momentum_correction:
+        if self.momentum_correction and config.beta_2 is None:
             overrides.update(momentum=0.0, nesterov=False)
         object.__setattr__(self, "_inner_overrides", overrides)
         object.__setattr__(self, "_exchange_object", None)
@@ -345,6 +368,37 @@ class TopKWrapper:
             variable.assign(tf.cast(result.stats[stat], tf.float32))
         return result
 
+    def _direction_positions(self):
+        """Positions (in build order) whose exchanged gradient is an update
+        direction to apply by SGD: the sparsified variables, when the memory
+        says so (Adam's momentum correction)."""
+        exchange = self._exchange_object
+        return frozenset(exchange.sparse_positions) if exchange.memory.applies_update else frozenset()
+
+    def _apply_directions(self, pairs):
+        """`variable -= lr * (direction + weight_decay * variable)` for each
+        (direction, variable) pair: the inner optimizer's learning rate and
+        decoupled weight decay (where it decays that variable), through the
+        strategy's variable update as the Keras optimizers apply theirs."""
+        inner = self.inner_optimizer
+        learning_rate = tf.convert_to_tensor(inner.learning_rate)
+        decays = [float(inner.weight_decay) if inner.weight_decay and inner._use_weight_decay(variable) else 0.0
+                  for _, variable in pairs]
+
+        def step(variable, direction, decay):
+            rate = tf.cast(learning_rate, variable.dtype)
+            direction = tf.cast(direction, variable.dtype)
+            if decay:
+                direction += decay * variable
+            return variable.assign_sub(rate * direction)
+
+        def update(distribution, pairs):
+            for (direction, variable), decay in zip(pairs, decays):
+                distribution.extended.update(variable, step, args=(direction, decay), group=False)
+
+        tf.__internal__.distribute.interim.maybe_merge_call(
+            update, tf.distribute.get_strategy(), [(d, self._tf_variable(v)) for d, v in pairs])
+
     def _apply_or_skip(self, all_finite, apply, grads):
         """`apply(grads)` on every replica when all_finite, else count a skipped
         step; `apply` returns tf.constant(True).
@@ -395,11 +449,15 @@ class TopKWrapper:
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Reads what get_config writes, and earlier versions' configs (the
-        same flat keys, fewer of them): ExchangeConfig's fields make one
+        same flat keys, fewer of them; without exchange_mode: "allgather",
+        what they ran): ExchangeConfig's fields make one
         ExchangeConfig, momentum_correction and sparse_updates apply to it."""
         config = dict(config)
         inner_optimizer = cls._deserialize_inner(config.pop("inner_optimizer"), custom_objects)
         fields = {name: config.pop(name) for name in CONFIG_FIELDS if name in config}
+        # Written before exchange_mode existed, when every exchange was an
+        # all_gather: resumes as it ran, not with today's default ("auto").
+        fields.setdefault("exchange_mode", "allgather")
         return cls(inner_optimizer, config=ExchangeConfig.from_config(fields), **config)
 
 

@@ -54,6 +54,24 @@ def check_momentum(momentum):
     return float(momentum)
 
 
+def check_beta_2(beta_2):
+    if isinstance(beta_2, bool) or not isinstance(beta_2, (int, float)) or not 0.0 < beta_2 < 1.0:
+        raise ValueError(f"beta_2 must be None or a float in (0, 1), got {beta_2!r}")
+    return float(beta_2)
+
+
+def check_epsilon(epsilon):
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0.0 < epsilon < float("inf"):
+        raise ValueError(f"epsilon must be a finite float > 0, got {epsilon!r}")
+    return float(epsilon)
+
+
+def check_warmup_steps(warmup_steps):
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+        raise ValueError(f"variance_warmup_steps must be an int >= 1, got {warmup_steps!r}")
+    return warmup_steps
+
+
 @dataclasses.dataclass(frozen=True)
 class ExchangeConfig:
     """The options of a sparse exchange (see `tf_topk.SparseExchange` for each).
@@ -65,10 +83,20 @@ class ExchangeConfig:
       min_size: variables with fewer entries take the dense all-reduce.
       bucket_bytes: bound on a bucket's pair bytes; None: one bucket.
       error_feedback: keep residuals (default), or drop unsent entries.
-      momentum: None, or m in (0, 1) for momentum correction (DGC).
-      nesterov, momentum_masking: momentum correction's variants.
+      momentum: None, or m in (0, 1) for momentum correction (DGC); Adam's
+        beta_1 with beta_2.
+      nesterov, momentum_masking: momentum correction's variants (SGD's).
+      beta_2: None, or Adam's beta_2 for Adam's momentum correction
+        (`tf_topk.memory.AdamMomentumCorrectionMemory`): dense Adam for
+        `variance_warmup_steps` steps, then the second moment frozen and
+        each replica's momentum of the preconditioned gradient sent.
+      epsilon: Adam's epsilon (with beta_2).
+      variance_warmup_steps: dense Adam steps before the second moment
+        freezes (with beta_2; 10% of the run or less is enough).
       local_clipnorm: DGC's local gradient clipping (None: off).
-      exchange_mode: "allgather", "allreduce" (agreed indices) or "auto".
+      exchange_mode: "auto" (per bucket, the route that sends the fewest
+        bytes: all_gather at 2 workers, agreed indices above, dense where
+        k is near n), "allgather" or "allreduce" (agreed indices).
       sparse_output: hand sparsified gradients out as pairs.
 
     Frozen and checked when made: a bad value raises a ValueError that names
@@ -84,8 +112,11 @@ class ExchangeConfig:
     nesterov: bool = False
     momentum_masking: bool = True
     local_clipnorm: Optional[float] = None
-    exchange_mode: str = "allgather"
+    exchange_mode: str = "auto"
     sparse_output: bool = False
+    beta_2: Optional[float] = None
+    epsilon: float = 1e-7
+    variance_warmup_steps: int = 100
 
     def __post_init__(self):
         check_method(self.method)
@@ -101,6 +132,21 @@ class ExchangeConfig:
                                  "error_feedback=True")
         elif self.nesterov:
             raise ValueError("nesterov=True needs momentum=... (momentum correction)")
+        object.__setattr__(self, "epsilon", check_epsilon(self.epsilon))
+        check_warmup_steps(self.variance_warmup_steps)
+        if self.beta_2 is not None:
+            object.__setattr__(self, "beta_2", check_beta_2(self.beta_2))
+            if self.momentum is None:
+                raise ValueError("beta_2=... (Adam's momentum correction) needs momentum=... (Adam's beta_1)")
+            if self.nesterov:
+                raise ValueError("nesterov=True is SGD's momentum correction; Adam's (beta_2=...) has no Nesterov "
+                                 "variant")
+            if self.sparse_output:
+                raise ValueError("sparse_output=True (sparse updates) is for SGD; Adam's momentum correction "
+                                 "(beta_2=...) applies dense directions")
+            if self.schedule.adaptive is not None:
+                raise ValueError("an adaptive density cannot go with Adam's momentum correction (beta_2=...): "
+                                 "pass a float density")
         for name in ("error_feedback", "nesterov", "momentum_masking", "sparse_output"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 

@@ -48,7 +48,8 @@ from tf_topk import ops
 from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFAULT_MIN_SIZE: public here too)
 from tf_topk.memory import Memory, make_state_variable, memory_for
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
-from tf_topk.routes import Bucket, Router, all_reduce_dense, carries, ring_all_reduce_bytes, router_for, taken_out
+from tf_topk.routes import (AgreedIndexRoute, AgreedOrDenseRoute, Bucket, Router, all_reduce_dense, carries,
+                            ring_all_reduce_bytes, router_for, taken_out)
 from tf_topk.selector import Selector, TopKSelector
 from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401  public here too
 
@@ -136,8 +137,8 @@ class SparseExchange(tf.Module):
         self.router = _part(router, Router, "router") or router_for(self.config.exchange_mode)
         self.schedule = self.config.schedule
         self.adaptive = self.schedule.adaptive
-        # Without a step, the leader of the agreed-index route rotates with the
-        # number of calls (the same on every replica); with an adaptive density,
+        # Without a step, the leader of ScaleCom's agreed-index rule
+        # (AgreedIndexRoute("leader")) rotates with the number of calls (the same on every replica); with an adaptive density,
         # the density this step uses, agreed at the previous step. Neither is
         # checkpointed: any leader is valid, and the rule restarts from its
         # initial density.
@@ -204,15 +205,20 @@ class SparseExchange(tf.Module):
         """
         grads, context = self._check_call(grads)
         replicas = context.num_replicas_in_sync
+        if self.memory.needs_step and step is None:
+            raise ValueError(f"{type(self.memory).__name__} needs the step: call the exchange with step=... "
+                             "(e.g. the optimizer's iterations)")
+        at_step = {"step": step} if self.memory.needs_step else {}
         if self.config.local_clipnorm is not None:
             grads = self._clip_locally(grads, replicas)
         buckets = [self._bucket([p for p in positions if grads[p] is not None], step) for positions in self._buckets]
         buckets = [bucket for bucket in buckets if bucket.positions]
-        routes = [self.router.route(bucket, replicas) for bucket in buckets]
+        routes = [self._dense_while_memory_asks(self.router.route(bucket, replicas), step) for bucket in buckets]
         leader = self._leader(step, replicas) if any(route.uses_leader for route in routes) else None
         # 1. Local work, no communication but the agreement on indices: every
         #    sparsified variable's compensation and selection (the fused op).
-        selections = [self._select(bucket, route, grads, context, leader) for bucket, route in zip(buckets, routes)]
+        selections = [self._select(bucket, route, grads, context, leader, at_step)
+                      for bucket, route in zip(buckets, routes)]
         # 2. The dense-path gradients, the non-finite count and (adaptive
         #    density) this replica's vote ride in a bucket's collective when
         #    that is cheaper, else in their own all-reduce.
@@ -251,11 +257,22 @@ class SparseExchange(tf.Module):
         all_finite = tf.equal(reduced[-1][0], 0.0)
         for position, tensor in zip(dense_positions, reduced[:-1]):
             out[position] = self.memory.apply_dense(self._dense_slot[position], tensor, all_finite)
+        for bucket in buckets:
+            for slot, position in zip(bucket.slots, bucket.positions):
+                out[position] = self.memory.apply_sparse(slot, out[position], all_finite, **at_step)
         # 4. State changes only when every replica's step was finite: the
         #    memory's, and the density the replicas agreed on for the next step.
         agreed_density = self.adaptive.agree(reduced[-1][1:], entries) if self.adaptive else None
-        self._update_memory(buckets, selections, all_finite, agreed_density)
+        self._update_memory(buckets, selections, all_finite, agreed_density, at_step)
         return ExchangeResult(out, all_finite, self._stats(grads, pieces, totals, len(buckets), replicas))
+
+    def _dense_while_memory_asks(self, route, step):
+        """Agreed indices send every entry on the memory's dense steps: the
+        nominations of k = n entries would not cover them all."""
+        if not self.memory.dense_steps or not isinstance(route, AgreedIndexRoute) or \
+                isinstance(route, AgreedOrDenseRoute):
+            return route
+        return AgreedOrDenseRoute(tf.less(tf.cast(step, tf.int64), self.memory.dense_steps), route.agreement)
 
     def _check_call(self, grads):
         """The gradients as dense tensors (or None), and the replica context."""
@@ -291,21 +308,31 @@ class SparseExchange(tf.Module):
     def _bucket(self, positions, step):
         """This step's Bucket of the present `positions`, with k per variable."""
         sizes = [self._specs[p].size for p in positions]
+        max_pairs = sum(sizes) if self.memory.dense_steps else sum(self.config.max_pairs(n) for n in sizes)
         return Bucket(positions, [self._slot[p] for p in positions], sizes,
                       [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes), [self._k(n, step) for n in sizes],
                       [self._specs[p].shape for p in positions], [self._specs[p].dtype for p in positions],
-                      sum(self.config.max_pairs(n) for n in sizes))
+                      max_pairs)
 
     def _k(self, size, step):
-        """k of a variable of `size` entries this step."""
+        """k of a variable of `size` entries this step (all of them while the
+        memory asks for dense steps)."""
+        if self.memory.dense_steps:
+            k = self._scheduled_k(size, step)
+            return tf.where(tf.less(tf.cast(step, tf.int64), self.memory.dense_steps), size, k)
+        return self._scheduled_k(size, step)
+
+    def _scheduled_k(self, size, step):
+        """k of a variable of `size` entries by the density schedule."""
         if self.adaptive is None:
             return self.schedule.k(size, step)
         k = tf.cast(tf.math.ceil(self._adaptive_density.read_value() * size), tf.int32)
         return tf.clip_by_value(k, 1, size)
 
-    def _select(self, bucket, route, grads, context, leader):
+    def _select(self, bucket, route, grads, context, leader, at_step):
         """(the memory's Compensation, the route's ErrorFeedbackSelection) per member."""
-        compensations = [self.memory.compensate(slot, grads[p]) for slot, p in zip(bucket.slots, bucket.positions)]
+        compensations = [self.memory.compensate(slot, grads[p], **at_step)
+                         for slot, p in zip(bucket.slots, bucket.positions)]
         fused = self.selector.fused_method
 
         def accumulate(i, k):  # member i: gradient + residual and (fused) k entries, in one op
@@ -357,14 +384,14 @@ class SparseExchange(tf.Module):
         _, index = min((route.extra_carry_bytes(entries, replicas), i) for i, route in enumerate(routes))
         return index if carries(routes[index], entries, replicas) else None
 
-    def _update_memory(self, buckets, selections, all_finite, agreed_density=None):
+    def _update_memory(self, buckets, selections, all_finite, agreed_density, at_step):
         """The memory's update of every slot (and the adaptive density of the
         next step), in one branch taken only when every replica's step was
         finite (nothing is undone otherwise)."""
         def update():
             for bucket, (compensations, selection) in zip(buckets, selections):
                 for slot, compensation, piece in zip(bucket.slots, compensations, selection):
-                    self.memory.update(slot, compensation, piece.remaining, piece.values, piece.indices)
+                    self.memory.update(slot, compensation, piece.remaining, piece.values, piece.indices, **at_step)
             if agreed_density is not None:
                 self._adaptive_density.assign(tf.cast(agreed_density, tf.float64))
             return tf.constant(True)

@@ -48,10 +48,11 @@ over the accumulated gradient.
 
 import abc
 import collections
+import math
 
 import tensorflow as tf
 
-from tf_topk.config import check_momentum
+from tf_topk.config import check_beta_2, check_epsilon, check_momentum, check_warmup_steps
 
 
 def residual_dtype(variable_dtype):
@@ -111,6 +112,14 @@ class Memory(abc.ABC):
 
     keeps_unsent = False
     residuals = None
+    # A memory that needs the step gets it as `step=` in compensate, update
+    # and apply_sparse (the exchange then requires one).
+    needs_step = False
+    # Steps from 0 on which the exchange sends every entry (k = n).
+    dense_steps = 0
+    # Whether the summed sparse gradients the exchange returns are update
+    # directions to apply by plain SGD (`variable -= lr * direction`).
+    applies_update = False
 
     @abc.abstractmethod
     def build(self, variables, make_state):
@@ -136,14 +145,22 @@ class Memory(abc.ABC):
         """The summed gradient of dense-path variable `slot`, as the optimizer gets it."""
         return summed
 
+    def apply_sparse(self, slot, summed, keep, step=None):
+        """The summed gradient of sparsified variable `slot` (a dense tensor),
+        as the optimizer gets it; `keep` says whether the step is kept."""
+        return summed
+
 
 def memory_for(config, residuals=None):
     """The memory an ExchangeConfig asks for: momentum correction with
-    `momentum`, else error feedback (with ready-made `residuals`, if given),
-    else none."""
+    `momentum` (Adam's with `beta_2`), else error feedback (with ready-made
+    `residuals`, if given), else none."""
     if config.momentum is not None:
         if residuals is not None:
             raise ValueError("residuals=... is for plain error feedback; with momentum the memory makes its state")
+        if config.beta_2 is not None:
+            return AdamMomentumCorrectionMemory(config.momentum, config.beta_2, config.epsilon,
+                                                config.variance_warmup_steps)
         return MomentumCorrectionMemory(config.momentum, nesterov=config.nesterov, masking=config.momentum_masking)
     if not config.error_feedback:
         if residuals is not None:
@@ -255,6 +272,116 @@ class MomentumCorrectionMemory(ErrorFeedbackMemory):
         new, increment = self._step_velocity(velocity, summed)
         velocity.assign(tf.reshape(tf.where(keep, new, _flat(velocity)), velocity.shape))
         return tf.reshape(tf.cast(increment, summed.dtype), tf.shape(summed))
+
+
+class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
+    """Momentum correction for Adam and AdamW: the principle of 1-bit Adam
+    (Tang et al., ICML 2021) and 0/1 Adam (Lu et al., ICLR 2022).
+
+    Adam's update m_hat / (sqrt(v_hat) + eps) is not linear in the gradient,
+    so sparsifying the gradient in front of it (error-compensated top-k, then
+    Adam on the sum) feeds both moments late, bursty entries: the first moment
+    smears them, the second is inflated by them. Once the second moment is
+    frozen, with the preconditioner p = (sqrt(v) + eps) / sqrt(1 - beta_2^W)
+    fixed, Adam is momentum SGD on g / p:
+
+        u <- beta_1 * u + (1 - beta_1) * g / p,     variable -= lr * u
+
+    which is linear, so each replica keeps its own u of its own gradient
+    (their sum is the global one), accumulates it in its residual and sends
+    the top-k of that: DGC's momentum correction, on the preconditioned
+    gradient. The exchanged sum is the update direction, applied by plain SGD
+    (`applies_update`; TopKOptimizer adds the inner optimizer's decoupled
+    weight decay). u is an average, not a sum, so it is not masked where sent:
+    masking would shrink the step of an entry sent every step by 1 - beta_1.
+
+    For the first `warmup_steps` steps the exchange sends every entry
+    (`dense_steps`) and this memory runs Adam itself on the summed gradient,
+    exactly as Keras's Adam does (epsilon included), with first and second
+    moments that are the same on every replica. At step `warmup_steps` the
+    second moment freezes and each replica's u starts from the first moment:
+    m_hat / (replicas * p).
+
+    Per sparsified variable: the residual and u (suffix "momentum", per
+    replica), the moments (suffixes "adam_m", "adam_v", the same on every
+    replica). Dense-path variables keep the inner optimizer's full Adam.
+
+    Args:
+      beta_1, beta_2, epsilon: the inner Adam's.
+      warmup_steps: dense Adam steps before the second moment freezes (>= 1).
+    """
+
+    needs_step = True
+    applies_update = True
+
+    def __init__(self, beta_1, beta_2, epsilon, warmup_steps):
+        super().__init__()
+        self.beta_1 = check_momentum(beta_1)
+        self.beta_2 = check_beta_2(beta_2)
+        self.epsilon = check_epsilon(epsilon)
+        self.warmup_steps = check_warmup_steps(warmup_steps)
+        self.dense_steps = self.warmup_steps
+        self.velocities = None
+        self.first_moments = None
+        self.second_moments = None
+
+    def build(self, variables, make_state):
+        super().build(variables, make_state)
+        self.velocities = [make_state(v, residual_dtype(v.dtype), "momentum") for v in variables]
+        self.first_moments = [make_state(v, residual_dtype(v.dtype), "adam_m", replicated=True) for v in variables]
+        self.second_moments = [make_state(v, residual_dtype(v.dtype), "adam_v", replicated=True)
+                               for v in variables]
+
+    @property
+    def state_variables(self):
+        return (list(self.residuals or []) + list(self.velocities or []) + list(self.first_moments or [])
+                + list(self.second_moments or []))
+
+    def _warming_up(self, step):
+        return tf.less(tf.cast(step, tf.int64), self.warmup_steps)
+
+    def preconditioner(self, slot):
+        """p of the frozen second moment, flat."""
+        second = _flat(self.second_moments[slot])
+        return (tf.sqrt(second) + self.epsilon) / math.sqrt(1.0 - self.beta_2 ** self.warmup_steps)
+
+    def compensate(self, slot, grad, step):
+        """Warming up: the gradient (sent whole). Then u advanced with g / p
+        (kept for `update`), starting at the switch from the first moment."""
+        velocity = self.velocities[slot]
+        grad = tf.reshape(tf.cast(grad, velocity.dtype), [-1])
+        preconditioner = self.preconditioner(slot)
+        replicas = tf.distribute.get_replica_context().num_replicas_in_sync
+        first = _flat(self.first_moments[slot]) / (1.0 - self.beta_1 ** self.warmup_steps)
+        old = tf.where(tf.equal(tf.cast(step, tf.int64), self.warmup_steps), first / (replicas * preconditioner),
+                       _flat(velocity))
+        new = self.beta_1 * old + (1.0 - self.beta_1) * grad / preconditioner
+        return Compensation(tf.where(self._warming_up(step), grad, new),
+                            tf.convert_to_tensor(self.residuals[slot]), new)
+
+    def update(self, slot, compensation, remaining, values, indices, step):
+        super().update(slot, compensation, remaining, values, indices)
+        velocity = self.velocities[slot]
+        new = tf.where(self._warming_up(step), tf.zeros_like(compensation.state), compensation.state)
+        velocity.assign(tf.reshape(new, velocity.shape))
+
+    def apply_sparse(self, slot, summed, keep, step):
+        """Warming up: Adam's direction from the summed gradient (its moments
+        advanced where `keep`). Then the sum itself: it is the direction."""
+        first, second = self.first_moments[slot], self.second_moments[slot]
+
+        def adam():
+            grad = tf.cast(tf.reshape(summed, [-1]), first.dtype)
+            new_first = self.beta_1 * _flat(first) + (1.0 - self.beta_1) * grad
+            new_second = self.beta_2 * _flat(second) + (1.0 - self.beta_2) * tf.square(grad)
+            first.assign(tf.reshape(tf.where(keep, new_first, _flat(first)), first.shape))
+            second.assign(tf.reshape(tf.where(keep, new_second, _flat(second)), second.shape))
+            t = tf.cast(step, first.dtype) + 1.0
+            scale = tf.sqrt(1.0 - self.beta_2 ** t) / (1.0 - self.beta_1 ** t)
+            direction = new_first * scale / (tf.sqrt(new_second) + self.epsilon)
+            return tf.reshape(tf.cast(direction, summed.dtype), tf.shape(summed))
+
+        return tf.cond(self._warming_up(step), adam, lambda: tf.identity(summed))
 
 
 class NoMemory(Memory):

@@ -5,9 +5,11 @@ Under TF_CONFIG: MultiWorkerMirroredStrategy, one replica per worker process,
 writing OUT_DIR/worker<i>.npz. Without: MirroredStrategy over `replicas`
 logical CPUs in this process, writing OUT_DIR/local.npz. Every process makes
 the same gradients (one seed) and each replica takes its own. Runs: plain
-error feedback with exchange_mode="allreduce" (one bucket, leader from the call
-count, a non-finite gradient on one replica at `nan_step`), one bucket per
-variable (leader from the step), momentum correction, and exchange_mode="auto"
+error feedback with exchange_mode="allreduce" (nominated indices, one bucket, a
+non-finite gradient on one replica at `nan_step`), the same with ScaleCom's
+leader rule (leader from the call count), the same gradients on every
+replica (all nominate the same entries), one bucket per variable, momentum
+correction, and exchange_mode="auto"
 under a density schedule whose first step goes dense. Writes per run, step
 and replica the summed gradients, the residuals, velocities and statistics.
 """
@@ -40,10 +42,12 @@ import tf_topk  # noqa: E402
 rng = np.random.default_rng(11)
 grads = [[[rng.standard_normal(shape).astype(np.float32) for shape in SHAPES] for _ in range(REPLICAS)]
          for _ in range(STEPS)]
-grads[NAN_STEP][1][0].flat[3] = np.nan  # only the run "ef" gets it
+grads[NAN_STEP][1][0].flat[3] = np.nan  # only the runs "ef" and "ef_leader" get it
 common = dict(method="exact", min_size=config["min_size"])
 RUNS = {
     "ef": dict(exchange_mode="allreduce", density=DENSITY),
+    "ef_leader": dict(router=tf_topk.routes.FixedRouter(tf_topk.routes.AgreedIndexRoute("leader")), density=DENSITY),
+    "ef_same": dict(exchange_mode="allreduce", density=DENSITY),  # every replica gets replica 0's gradients
     "ef_buckets": dict(exchange_mode="allreduce", density=DENSITY, bucket_bytes=8),
     "dgc": dict(exchange_mode="allreduce", density=DENSITY, momentum=config["momentum"]),
     "auto_schedule": dict(exchange_mode="auto", density=[(0, config["first_density"]), (1, DENSITY)]),
@@ -53,7 +57,7 @@ for label, options in RUNS.items():
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
         exchange = tf_topk.SparseExchange(variables, **common, **options)
-    pass_step = label != "ef"  # "ef": the leader rotates with the number of calls
+    pass_step = label != "ef_leader"  # "ef_leader": the leader rotates with the number of calls
 
     @tf.function
     def step(step_grads, s):
@@ -67,8 +71,10 @@ for label, options in RUNS.items():
 
     for s in range(STEPS):
         inputs = [np.stack([grads[s][r][v] for r in range(REPLICAS)]) for v in range(len(SHAPES))]
-        if label != "ef" and s == NAN_STEP:
+        if label not in ("ef", "ef_leader") and s == NAN_STEP:
             inputs[0] = np.nan_to_num(inputs[0])
+        if label == "ef_same":
+            inputs = [np.repeat(x[:1], REPLICAS, axis=0) for x in inputs]
         out, all_finite, stats = step([tf.constant(x) for x in inputs], tf.constant(s, tf.int64))
         local = strategy.experimental_local_results
         for i, replica_out in enumerate(local(all_finite)):

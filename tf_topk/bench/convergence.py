@@ -6,9 +6,12 @@ correction buy? On scikit-learn's digits (or `--dataset synthetic`, or
 with the same inner optimizer, budget (epochs) and seeds:
 
     dense       the inner optimizer alone
-    topk_ef     tf_topk.TopKOptimizer(inner, density=d)                    (the library)
+    topk_ef     tf_topk.TopKOptimizer(inner, density=d, momentum_correction=False)
+                (error-compensated top-k in front of the inner optimizer)
     topk_mc     tf_topk.TopKOptimizer(inner, density=d, momentum_correction=True)
-                (DGC's momentum correction and masking; SGD with momentum only)
+                (SGD with momentum: DGC's momentum correction and masking; Adam and
+                AdamW: Adam's, its second moment frozen after a dense warm-up over the
+                first 10% of the steps, `variance_warmup_steps`)
     topk_noef   tf_topk.TopKOptimizer(inner, density=d, error_feedback=False)
     randk_ef    k entries chosen uniformly at random, same error feedback  (a BENCHMARK BASELINE,
                 tf_topk.selector.RandomKSelector in the library exchange)
@@ -25,6 +28,21 @@ and `--bytes-plot` draws test accuracy against the cumulative bytes a worker
 would send in a cluster of `--workers` workers (all_gather of the pairs
 actually selected, plus the ring all-reduce of the small variables; dense:
 the ring all-reduce of everything), with the adaptive rule's density per epoch.
+
+A language model, where adaptive optimizers and attention make the gradients
+unlike an MLP's:
+
+    python -m tf_topk.bench convergence --dataset text --model transformer \\
+        --optimizer adamw --steps 800 --methods topk_ef,topk_noef --plot text.png
+
+trains a small causal transformer (`tf_topk.bench.text`: `--layers` pre-norm
+blocks of width `--width`, 64-byte context) to predict the next byte of the
+Python standard library's own source, for `--steps` optimizer steps with the
+held-out loss measured every `--eval-every` steps, and reports the final
+validation loss in nats per byte (ln 256 = 5.545 is a uniform guess) where
+the other data sets report accuracy: `val_loss_mean`, `val_loss_std`,
+`val_loss_per_seed` and `vs_dense_nats` (the method's loss minus dense's).
+There an epoch is one evaluation interval, for `--warmup-epochs` too.
 
 One process. With one replica (the default) selection and error feedback
 act exactly as they do per replica in multi-worker training, and every
@@ -48,6 +66,7 @@ import time
 
 import numpy as np
 
+from tf_topk.bench import text
 from tf_topk.bench.data import load_data
 from tf_topk import cli
 
@@ -89,6 +108,8 @@ def make_model(keras, inputs, hidden, classes, kind="mlp"):
 
 
 def model_name(args, inputs):
+    if args.model == "transformer":
+        return f"transformer {args.layers}x{args.width}, context {inputs}"
     if args.model == "cnn":
         return "CNN conv16-conv32-64-10"
     return f"MLP {inputs}-" + "-".join(map(str, args.hidden)) + "-10"
@@ -97,7 +118,18 @@ def model_name(args, inputs):
 def make_inner(keras, args):
     if args.optimizer == "adam":
         return keras.optimizers.Adam(args.learning_rate)
+    if args.optimizer == "adamw":
+        return keras.optimizers.AdamW(args.learning_rate, weight_decay=args.weight_decay)
     return keras.optimizers.SGD(args.learning_rate, momentum=args.momentum, nesterov=args.nesterov)
+
+
+def optimizer_name(args):
+    if args.optimizer == "adam":
+        return f"Adam(learning_rate={args.learning_rate})"
+    if args.optimizer == "adamw":
+        return f"AdamW(learning_rate={args.learning_rate}, weight_decay={args.weight_decay})"
+    return f"SGD(learning_rate={args.learning_rate}, momentum={args.momentum}" + \
+        (", nesterov=True)" if args.nesterov else ")")
 
 
 def make_optimizer(keras, method, density, args, steps_per_epoch):
@@ -107,20 +139,33 @@ def make_optimizer(keras, method, density, args, steps_per_epoch):
     if method == "dense":
         return inner
     common = dict(method=args.method, min_size=args.min_size, exchange_mode=args.exchange_mode)
+    if args.agreement != "nominated":
+        from tf_topk.routes import AgreedIndexRoute, FixedRouter
+
+        common = dict(method=args.method, min_size=args.min_size,
+                      router=FixedRouter(AgreedIndexRoute(args.agreement)))
+    # Every method but topk_mc and adaptive_mc without momentum correction,
+    # which is TopKOptimizer's default for Adam and AdamW.
+    common["momentum_correction"] = method in ("topk_mc", "adaptive_mc")
+    if method == "topk_mc" and args.optimizer in ("adam", "adamw"):
+        common["variance_warmup_steps"] = variance_warmup_steps(args, steps_per_epoch)
     if method in ("adaptive", "adaptive_mc"):
         return tf_topk.TopKOptimizer(inner, density=tf_topk.schedule.AdaptiveDensity(replicas=args.workers),
-                                     momentum_correction=method == "adaptive_mc", **common)
+                                     **common)
     if args.warmup_epochs:
         density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=density)
-    if method == "topk_ef":
+    if method in ("topk_ef", "topk_mc"):
         return tf_topk.TopKOptimizer(inner, density=density, **common)
-    if method == "topk_mc":
-        return tf_topk.TopKOptimizer(inner, density=density, momentum_correction=True, **common)
     if method == "topk_noef":
         return tf_topk.TopKOptimizer(inner, density=density, error_feedback=False, **common)
     if method == "randk_ef":
         return random_k_optimizer(inner, density=density, **common)
     raise ValueError(f"unknown method {method!r}")
+
+
+def variance_warmup_steps(args, steps_per_epoch):
+    """Adam's momentum correction warms up dense over the first 10% of the steps."""
+    return max(1, steps_per_epoch * args.epochs // 10)
 
 
 def _bytes_callback(keras, optimizer, model, workers):
@@ -186,27 +231,47 @@ def train_one(method, density, seed, data, args, strategy):
 
     x_train, y_train, x_test, y_test = data
     keras.utils.set_random_seed(seed)
+    lm = args.dataset == "text"
     with strategy.scope():
-        model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1,
-                           args.model)
-        optimizer = make_optimizer(keras, method, density, args, -(-len(x_train) // args.batch_size))
+        if lm:
+            model = text.make_transformer(keras, args.layers, args.width, context=x_train.shape[1])
+        else:
+            model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1,
+                               args.model)
+        steps_per_epoch = args.eval_every if lm else -(-len(x_train) // args.batch_size)
+        optimizer = make_optimizer(keras, method, density, args, steps_per_epoch)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
+                      metrics=[] if lm else ["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
     counter = _bytes_callback(keras, optimizer, model, args.workers)
-    history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
-                        validation_data=(x_test, y_test), shuffle=True, verbose=0, callbacks=[counter])
+    if lm:
+        history = model.fit(text.batches(x_train, y_train, args.batch_size, seed), steps_per_epoch=steps_per_epoch,
+                            epochs=args.epochs, validation_data=(x_test, y_test), validation_batch_size=256,
+                            shuffle=False, verbose=0, callbacks=[counter])  # the batches come shuffled
+    else:
+        history = model.fit(x_train, y_train, batch_size=args.batch_size, epochs=args.epochs,
+                            validation_data=(x_test, y_test), shuffle=True, verbose=0, callbacks=[counter])
     stats = optimizer.compression_stats() if method != "dense" else {}
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     return {
         "loss": [float(v) for v in history.history["loss"]],
-        "accuracy": [float(v) for v in history.history["accuracy"]],
+        "accuracy": [float(v) for v in history.history.get("accuracy", [])],
         "val_loss": [float(v) for v in history.history["val_loss"]],
-        "val_accuracy": [float(v) for v in history.history["val_accuracy"]],
+        "val_accuracy": [float(v) for v in history.history.get("val_accuracy", [])],
         "stats": stats,
         "params": params,
         "bytes": counter.per_epoch,
         "densities": counter.densities,
     }
+
+
+# What a configuration is judged by (its row's `KEY_mean`, `KEY_std`, `KEY_per_seed` and curve `KEY`), from
+# which Keras history entry: a language model's validation loss in nats per byte, a classifier's test accuracy.
+HISTORY_KEYS = {"test_accuracy": "val_accuracy", "val_loss": "val_loss"}
+SCORE_NAMES = {"test_accuracy": "test accuracy", "val_loss": "validation loss (nats/byte)"}
+
+
+def score_key(dataset):
+    return "val_loss" if dataset == "text" else "test_accuracy"
 
 
 def _mean_curve(runs, key):
@@ -226,6 +291,7 @@ def run(args, log=None):
         if "topk_mc" in args.methods:
             configs.append(("adaptive_mc", None))
     rows, params = [], None
+    key = score_key(args.dataset)
     started = time.monotonic()
     for method, density in configs:
         runs = []
@@ -233,16 +299,16 @@ def run(args, log=None):
         for seed in range(args.seeds):
             runs.append(train_one(method, density, seed, data, args, strategy))
         params = runs[0]["params"]
-        final = [r["val_accuracy"][-1] for r in runs]
+        final = [r[HISTORY_KEYS[key]][-1] for r in runs]
         row = {
             "method": method,
             "label": LABELS[method],
             "density": density,
-            "test_accuracy_mean": round(statistics.fmean(final), 5),
-            "test_accuracy_std": round(_std(final), 5),
-            "test_accuracy_per_seed": [round(a, 5) for a in final],
+            f"{key}_mean": round(statistics.fmean(final), 5),
+            f"{key}_std": round(_std(final), 5),
+            f"{key}_per_seed": [round(a, 5) for a in final],
             "train_loss_mean": round(statistics.fmean(r["loss"][-1] for r in runs), 5),
-            "curves": {"train_loss": _mean_curve(runs, "loss"), "test_accuracy": _mean_curve(runs, "val_accuracy"),
+            "curves": {"train_loss": _mean_curve(runs, "loss"), key: _mean_curve(runs, HISTORY_KEYS[key]),
                        "bytes_per_worker": _mean_curve(runs, "bytes")},
             "bytes_per_worker_total": round(statistics.fmean(r["bytes"][-1] for r in runs)),
             "seconds": round(time.monotonic() - t0, 1),
@@ -259,12 +325,17 @@ def run(args, log=None):
             row["curves"]["density"] = _mean_curve(runs, "densities")
         rows.append(row)
         if log:
-            log(f"{row['label']:<14} density {density if density is not None else '-':<6} test accuracy "
-                f"{row['test_accuracy_mean']:.4f} +- {row['test_accuracy_std']:.4f} ({row['seconds']:.0f} s)")
+            log(f"{row['label']:<14} density {density if density is not None else '-':<6} {SCORE_NAMES[key]} "
+                f"{row[key + '_mean']:.4f} +- {row[key + '_std']:.4f} ({row['seconds']:.0f} s)")
     dense = rows[0]
     for row in rows:
-        row["vs_dense_points"] = round(100 * (row["test_accuracy_mean"] - dense["test_accuracy_mean"]), 2)
+        if key == "val_loss":
+            row["vs_dense_nats"] = round(row["val_loss_mean"] - dense["val_loss_mean"], 5)
+        else:
+            row["vs_dense_points"] = round(100 * (row["test_accuracy_mean"] - dense["test_accuracy_mean"]), 2)
     targets = adaptive_targets(rows) if args.adaptive else None
+    budget = {"steps": args.steps, "eval_every": args.eval_every, "corpus": text.describe_corpus()} \
+        if key == "val_loss" else {}
     import keras
     import tensorflow as tf
 
@@ -273,12 +344,11 @@ def run(args, log=None):
         "dataset": args.dataset,
         "train_samples": int(len(data[0])), "test_samples": int(len(data[2])),
         "model": model_name(args, data[0].shape[1]), "params": params,
-        "optimizer": (f"Adam(learning_rate={args.learning_rate})" if args.optimizer == "adam"
-                      else f"SGD(learning_rate={args.learning_rate}, momentum={args.momentum}"
-                      + (", nesterov=True)" if args.nesterov else ")")),
+        "optimizer": optimizer_name(args),
         "selection_method": args.method, "min_size": args.min_size, "warmup_epochs": args.warmup_epochs,
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
-        "replicas": args.replicas, "exchange_mode": args.exchange_mode,
+        **budget,
+        "replicas": args.replicas, "exchange_mode": args.exchange_mode, "agreement": args.agreement,
         "densities": args.densities, "methods": ["dense", *args.methods],
         "configs": rows,
         "workers_for_bytes": args.workers,
@@ -312,26 +382,27 @@ def adaptive_targets(rows, within_points=0.5):
 
 
 def plot_bytes(result, path):
-    """Test accuracy against cumulative bytes per worker (left), and the
-    adaptive rule's density per epoch (right)."""
+    """Test accuracy (text: validation loss) against cumulative bytes per
+    worker (left), and the adaptive rule's density per epoch (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = result["configs"]
+    key = score_key(result["dataset"])
     fig, (ax, side) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [2, 1]})
     styles = {0.1: ":", 0.01: "-.", 0.001: "--"}
     for row in rows:
         label = row["label"] if row["density"] is None else f"{row['label']} d={row['density']:g}"
-        ax.plot(row["curves"]["bytes_per_worker"], row["curves"]["test_accuracy"], color=COLORS[row["method"]],
+        ax.plot(row["curves"]["bytes_per_worker"], row["curves"][key], color=COLORS[row["method"]],
                 linestyle=styles.get(row["density"], "-"), marker="o" if row["method"].startswith("adaptive") else None,
-                markersize=3, label=f"{label} ({row['test_accuracy_mean']:.3f})")
+                markersize=3, label=f"{label} ({row[key + '_mean']:.3f})")
     ax.set_xscale("log")
     ax.set_xlabel(f"cumulative bytes sent per worker ({result['workers_for_bytes']} workers)")
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel(SCORE_NAMES[key])
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper right" if key == "val_loss" else "lower right")
     for adaptive in (r for r in rows if r["method"].startswith("adaptive")):
         epochs = np.arange(1, len(adaptive["curves"]["density"]) + 1)
         side.plot(epochs, adaptive["curves"]["density"], color=COLORS[adaptive["method"]], marker="o", markersize=3,
@@ -352,18 +423,20 @@ def format_table(result):
     densities = result["densities"]
     rows = result["configs"]
     dense = rows[0]
+    key = score_key(result["dataset"])
+    budget = f"{result['steps']} steps" if "steps" in result else f"{result['epochs']} epochs"
     head = f"{'method':<16}" + "".join(f"{'d=' + format(d, 'g'):>18}" for d in densities)
     lines = [f"convergence: {result['dataset']}, {result['model']} ({result['params']:,} parameters), "
-             f"{result['optimizer']}, {result['epochs']} epochs, batch {result['batch_size']}, "
-             f"{result['seeds']} seeds; final test accuracy, mean +- std",
+             f"{result['optimizer']}, {budget}, batch {result['batch_size']}, "
+             f"{result['seeds']} seeds; final {SCORE_NAMES[key]}, mean +- std",
              head, "-" * len(head),
-             f"{'dense':<16}" + f"{dense['test_accuracy_mean']:.4f} +- {dense['test_accuracy_std']:.4f}".rjust(18)
+             f"{'dense':<16}" + f"{dense[key + '_mean']:.4f} +- {dense[key + '_std']:.4f}".rjust(18)
              * len(densities)]
     for method in result["methods"][1:]:
         cells = []
         for d in densities:
             row = next(r for r in rows if r["method"] == method and r["density"] == d)
-            cells.append(f"{row['test_accuracy_mean']:.4f} +- {row['test_accuracy_std']:.4f}".rjust(18))
+            cells.append(f"{row[key + '_mean']:.4f} +- {row[key + '_std']:.4f}".rjust(18))
         lines.append(f"{LABELS[method]:<16}" + "".join(cells))
     for adaptive in (r for r in rows if r["method"] == "adaptive"):
         lines.append(f"{'adaptive':<16}{adaptive['test_accuracy_mean']:.4f} +- {adaptive['test_accuracy_std']:.4f}"
@@ -373,7 +446,8 @@ def format_table(result):
 
 
 def plot(result, path):
-    """Test accuracy (top) and training loss (bottom) per epoch, one column per density."""
+    """Test accuracy (text: validation loss) on top and training loss below, per epoch (text: per
+    evaluation, against steps), one column per density."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -383,30 +457,36 @@ def plot(result, path):
     rows = result["configs"]
     dense = rows[0]
     fig, axes = plt.subplots(2, len(densities), figsize=(max(4.2 * len(densities), 6.3), 7), squeeze=False, sharey="row")
-    epochs = np.arange(1, result["epochs"] + 1)
+    score = score_key(result["dataset"])
+    epochs = np.arange(1, result["epochs"] + 1) * result.get("eval_every", 1)
     for column, d in enumerate(densities):
-        for row_index, key in enumerate(("test_accuracy", "train_loss")):
+        for row_index, key in enumerate((score, "train_loss")):
             ax = axes[row_index][column]
             for row in [dense] + [r for r in rows if r["density"] == d]:
                 ax.plot(epochs, row["curves"][key], color=COLORS[row["method"]],
                         linestyle="--" if row["method"] == "dense" else "-",
-                        label=f"{row['label']} ({row['test_accuracy_mean']:.3f})" if key == "test_accuracy"
+                        label=f"{row['label']} ({row[score + '_mean']:.3f})" if key == score
                         else row["label"])
             ax.grid(alpha=0.3)
             if key == "train_loss":
                 ax.set_yscale("log")
-                ax.set_xlabel("epoch")
+                ax.set_xlabel("step" if "eval_every" in result else "epoch")
             else:
                 ax.set_title(f"density {d:g}")
-                ax.legend(fontsize=8, loc="lower right")
+                ax.legend(fontsize=8, loc="upper right" if score == "val_loss" else "lower right")
             if column == 0:
-                ax.set_ylabel("test accuracy" if key == "test_accuracy" else "training loss")
+                ax.set_ylabel(SCORE_NAMES[score] if key == score else "training loss")
     warmup = f", density warm-up {result['warmup_epochs']} epochs" if result.get("warmup_epochs") else ""
     fig.suptitle(f"{result['dataset']}: {result['model']}, {result['optimizer']}{warmup},\n"
-                 f"mean of {result['seeds']} seeds (final test accuracy in the legend)", fontsize=10)
+                 f"mean of {result['seeds']} seeds (final {SCORE_NAMES[score]} in the legend)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def evaluation_interval(steps, points=16):
+    """The divisor of `steps` whose number of evaluations (steps / divisor) is nearest `points`."""
+    return min((d for d in range(1, steps + 1) if steps % d == 0), key=lambda d: abs(steps // d - points))
 
 
 def _methods(text):
@@ -421,24 +501,38 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tf_topk.bench convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=("digits", "synthetic", "shapes"), default="digits")
-    parser.add_argument("--model", choices=("mlp", "cnn"), default=None,
-                        help="default: cnn for shapes (16x16 images), mlp otherwise")
+    parser.add_argument("--dataset", choices=("digits", "synthetic", "shapes", "text"), default="digits",
+                        help="text: next-byte prediction on the Python standard library's source")
+    parser.add_argument("--model", choices=("mlp", "cnn", "transformer"), default=None,
+                        help="default: cnn for shapes (16x16 images), transformer for text (the only model "
+                             "for it), mlp otherwise")
     parser.add_argument("--densities", type=cli.densities, default=[0.1, 0.01, 0.001])
     parser.add_argument("--methods", type=_methods, default=list(DEFAULT_METHODS),
                         help=f"comma-separated, among {','.join(METHODS)} (dense always runs)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--epochs", type=int, default=None, help="default 30 (not with --dataset text)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="--dataset text: optimizer steps in all (default 800)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="--dataset text: steps between validation losses, a divisor of --steps "
+                             "(default: the one nearest 16 evaluations)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--hidden", type=lambda t: [int(v) for v in t.split(",")], default=[256, 256],
                         help="hidden layer widths (default 256,256)")
-    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="the inner optimizer")
-    parser.add_argument("--learning-rate", type=float, default=None, help="default: 0.05 for sgd, 0.001 for adam")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--width", type=int, default=128,
+                        help="transformer width, a multiple of its 4 heads (default 128)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), default=None,
+                        help="the inner optimizer (default: adamw for text, sgd otherwise)")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="default: 0.05 for sgd, 0.001 for adam and adamw")
+    parser.add_argument("--weight-decay", type=float, default=None, help="AdamW's weight decay (default 0.01)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
     parser.add_argument("--warmup-epochs", type=int, default=0,
                         help="DGC density warm-up over this many epochs for the sparse methods "
-                             "(tf_topk.schedule.dgc_warmup); 0: the density from the first step")
+                             "(tf_topk.schedule.dgc_warmup; --dataset text: evaluation intervals); "
+                             "0: the density from the first step")
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian",
                         help="tf_topk selection method")
     parser.add_argument("--min-size", type=int, default=None,
@@ -448,13 +542,17 @@ def main(argv=None):
     parser.add_argument("--replicas", type=int, default=1,
                         help="train with MirroredStrategy over this many logical CPUs, each its shard of the "
                              "batch and its own residuals (default 1)")
-    parser.add_argument("--exchange-mode", choices=("allgather", "allreduce", "auto"), default="allgather",
+    parser.add_argument("--exchange-mode", choices=("allgather", "allreduce", "auto"), default="auto",
                         help="how the sparse methods' pairs travel between replicas (with --replicas > 1)")
+    parser.add_argument("--agreement", choices=("nominated", "leader"), default="nominated",
+                        help="with --exchange-mode allreduce: how replicas agree on the indices "
+                             "(tf_topk.routes.AgreedIndexRoute; 'leader' is ScaleCom's rule)")
     parser.add_argument("--workers", type=int, default=4,
                         help="the cluster size bytes are counted for, and the adaptive rule's cost model assumes")
     parser.add_argument("--plot", metavar="PNG", help="draw the curves to this file (needs matplotlib)")
     parser.add_argument("--bytes-plot", metavar="PNG",
-                        help="draw test accuracy against bytes sent per worker (needs matplotlib)")
+                        help="draw test accuracy (text: validation loss) against bytes sent per worker "
+                             "(needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     args = parser.parse_args(argv)
     args.argv = argv
@@ -462,20 +560,49 @@ def main(argv=None):
         from tf_topk.config import DEFAULT_MIN_SIZE
 
         args.min_size = DEFAULT_MIN_SIZE
+    if args.dataset == "text":
+        if args.epochs is not None:
+            parser.error("--dataset text trains for --steps, not --epochs")
+        if args.adaptive:
+            parser.error("--adaptive is judged against dense accuracy: not with --dataset text")
+        args.steps = 800 if args.steps is None else args.steps
+        if args.steps < 1:
+            parser.error(f"--steps must be >= 1, got {args.steps}")
+        if args.eval_every is None:
+            args.eval_every = evaluation_interval(args.steps)
+        if args.eval_every < 1 or args.steps % args.eval_every:
+            parser.error(f"--eval-every must be >= 1 and divide --steps ({args.steps}), got {args.eval_every}")
+        args.epochs = args.steps // args.eval_every
+    elif args.steps is not None or args.eval_every is not None:
+        parser.error("--steps and --eval-every are for --dataset text; the others train for --epochs")
+    elif args.epochs is None:
+        args.epochs = 30
     if args.seeds < 1 or args.epochs < 1 or args.batch_size < 1:
         parser.error("--seeds, --epochs and --batch-size must be >= 1")
     if args.workers < 2:
         parser.error(f"--workers must be >= 2 (bytes are what a worker sends to the others), got {args.workers}")
+    if args.agreement != "nominated" and args.exchange_mode != "allreduce":
+        parser.error(f"--agreement {args.agreement} needs --exchange-mode allreduce, got {args.exchange_mode}")
     if args.replicas < 1 or args.batch_size % args.replicas:
         parser.error(f"--replicas must be >= 1 and divide --batch-size ({args.batch_size}), got {args.replicas}")
     if args.warmup_epochs < 0:
         parser.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if args.model is None:
-        args.model = "cnn" if args.dataset == "shapes" else "mlp"
+        args.model = {"shapes": "cnn", "text": "transformer"}.get(args.dataset, "mlp")
+    if (args.model == "transformer") != (args.dataset == "text"):
+        parser.error(f"--model transformer goes with --dataset text and only with it, got --model {args.model} "
+                     f"--dataset {args.dataset}")
+    if args.layers < 1 or args.width < 4 or args.width % 4:
+        parser.error(f"--layers must be >= 1 and --width a multiple of 4, got {args.layers} and {args.width}")
+    if args.optimizer is None:
+        args.optimizer = "adamw" if args.dataset == "text" else "sgd"
     if args.learning_rate is None:
-        args.learning_rate = 0.001 if args.optimizer == "adam" else 0.05
-    if "topk_mc" in args.methods and (args.optimizer != "sgd" or args.momentum <= 0):
-        parser.error("topk_mc (momentum correction) needs --optimizer sgd with --momentum > 0")
+        args.learning_rate = 0.001 if args.optimizer in ("adam", "adamw") else 0.05
+    if args.weight_decay is not None and args.optimizer != "adamw":
+        parser.error(f"--weight-decay is AdamW's, got --optimizer {args.optimizer}")
+    args.weight_decay = 0.01 if args.weight_decay is None else args.weight_decay
+    if "topk_mc" in args.methods and args.optimizer == "sgd" and args.momentum <= 0:
+        parser.error("topk_mc (momentum correction) needs --momentum > 0 with --optimizer sgd")
 
     def log(message):
         print(f"[convergence] {message}", file=sys.stderr, flush=True)

@@ -2,14 +2,15 @@
 
 digits (scikit-learn, ships with it), synthetic (scikit-learn's
 make_classification: 2500 samples, 64 features, 10 classes) and shapes
-(generated here: 16x16 images of 10 glyphs, see `make_shapes`) work offline;
-mnist and cifar10 download through keras.datasets and fail with a message
-that says so.
+(generated here: 16x16 images of 10 glyphs, see `make_shapes`) and text
+(next-byte prediction on the Python standard library's source, see
+`tf_topk.bench.text`) work offline; mnist and cifar10 download through
+keras.datasets and fail with a message that says so.
 """
 
 import sys
 
-DATASETS = ("digits", "synthetic", "shapes", "mnist", "cifar10")
+DATASETS = ("digits", "synthetic", "shapes", "text", "mnist", "cifar10")
 
 # The shapes task's glyphs, one per class, drawn at scale 1 or 2.
 GLYPHS = (
@@ -66,7 +67,14 @@ def load_data(name, seed=0):
     digits, synthetic and shapes get a fixed stratified split (20% test,
     `seed`); mnist and cifar10 their published split, features scaled to [0, 1].
     shapes are 16x16 images, flattened (reshape to (16, 16, 1) for a CNN).
+    text gives int32 byte windows [n, 64] and their next-byte targets [n, 64]:
+    training windows drawn at random (`seed`) before the held-out tail, the
+    test set fixed windows in it (`tf_topk.bench.text.load_text`).
     """
+    if name == "text":
+        from tf_topk.bench.text import load_text
+
+        return load_text(seed)
     import numpy as np
 
     if name in ("digits", "synthetic", "shapes"):

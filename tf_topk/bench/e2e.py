@@ -95,8 +95,12 @@ def machine_info():
             "python": platform.python_version(), "loadavg_start": [round(v, 2) for v in os.getloadavg()]}
 
 
-def configurations(densities, dgc=False, adaptive=False):
-    return (["dense"] + [f"topk:{d:g}" for d in densities] + ([f"dgc:{d:g}" for d in densities] if dgc else [])
+def configurations(densities, dgc=False, adaptive=False, exchange_modes=None):
+    """The configuration names to run: `topk:<d>` per density (`topk:<d>@<mode>`
+    per density and mode when `exchange_modes` is given), and so on."""
+    suffixes = [""] if not exchange_modes else [f"@{m}" for m in exchange_modes]
+    return (["dense"] + [f"topk:{d:g}{s}" for d in densities for s in suffixes]
+            + ([f"dgc:{d:g}{s}" for d in densities for s in suffixes] if dgc else [])
             + (["adaptive"] if adaptive else []))
 
 
@@ -119,7 +123,8 @@ def summarize(config, workers_results, duration_s):
     wire, tcp = _per_step(workers_results, "wire"), _per_step(workers_results, "tcp")
     return {
         "config": config,
-        "density": None if config in ("dense", "adaptive") else float(config.split(":", 1)[1]),
+        "density": None if config in ("dense", "adaptive") else float(config.split(":", 1)[1].split("@")[0]),
+        "exchange_mode": config.split("@")[1] if "@" in config else None,
         "step_time_s": round(step_time, 5),
         "step_time_s_min": round(min(per_step), 5),
         "step_time_s_max": round(max(per_step), 5),
@@ -158,7 +163,7 @@ def format_table(result):
     rows = result["configs"]
     wire = any(r["wire_tx_bytes_per_step"] is not None for r in rows)
     source = "wire" if wire else "tcp"
-    head = (f"{'config':<12} {'step ms':>9} {'samples/s':>10} {source + ' tx MB':>10} {source + ' rx MB':>10} "
+    head = (f"{'config':<20} {'step ms':>9} {'samples/s':>10} {source + ' tx MB':>10} {source + ' rx MB':>10} "
             f"{'est. MB':>8} {'speedup':>8} {'bytes/':>8}")
     lines = [f"e2e: {result['workers']} workers, bandwidth {result['bandwidth']}, latency {result['latency']}, "
              f"model {result['model']} ({result['params']:,} parameters), batch {result['batch_size']}/worker, "
@@ -174,7 +179,7 @@ def format_table(result):
         rx = r["wire_rx_bytes_per_step"] if wire else r["tcp_received_bytes_per_step"]
         speed = "-" if r["speedup_vs_dense"] is None else f"{r['speedup_vs_dense']:.2f}x"
         ratio = "-" if r["bytes_reduction_vs_dense"] is None else f"{r['bytes_reduction_vs_dense']:.1f}x"
-        lines.append(f"{r['config']:<12} {r['step_time_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} {mb(tx):>10} "
+        lines.append(f"{r['config']:<20} {r['step_time_s'] * 1e3:>9.1f} {r['samples_per_s']:>10.1f} {mb(tx):>10} "
                      f"{mb(rx):>10} {mb(r['estimated_bytes_sent_per_step']):>8} {speed:>8} {ratio:>8}")
     lines.append("MB per worker per step; speedup = dense step time / step time; bytes/ = dense bytes / bytes.")
     return "\n".join(lines)
@@ -236,7 +241,7 @@ def run(args):
             _log(f"setting up namespaces {cluster.base}-*")
             cluster.setup()  # a partial set-up is removed by the teardown below
             result["qdiscs"] = cluster.describe()
-        for config in configurations(args.densities, args.dgc, args.adaptive):
+        for config in configurations(args.densities, args.dgc, args.adaptive, args.exchange_modes):
             row, first = run_config(config, args, cluster, run_id, out_dir, stream)
             rows.append(row)
             result.update(params=first["params"], tf_version=first["tf_version"],
@@ -271,6 +276,15 @@ def _parse_densities(text):
     return values
 
 
+def _parse_modes(text):
+    from tf_topk.config import EXCHANGE_MODES
+
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in EXCHANGE_MODES for v in values):
+        raise argparse.ArgumentTypeError(f"exchange modes must be among {','.join(EXCHANGE_MODES)}, got {text!r}")
+    return values
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tf_topk.bench e2e", description=__doc__,
@@ -283,6 +297,9 @@ def main(argv=None):
                         help="wide: 12.6M-parameter MLP; cnn: small CNN (0.2M); tiny: for tests")
     parser.add_argument("--densities", type=_parse_densities, default=[0.01, 0.001],
                         help="comma-separated TopK densities (default 0.01,0.001)")
+    parser.add_argument("--exchange-modes", type=_parse_modes, default=None,
+                        help="comma-separated exchange modes to run each density with, as topk:<d>@<mode> "
+                             "(allgather, allreduce, auto; default: the library's default only)")
     parser.add_argument("--dgc", action="store_true",
                         help="also run dgc:<d> per density: momentum correction and sparse updates")
     parser.add_argument("--adaptive", action="store_true",

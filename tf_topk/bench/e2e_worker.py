@@ -7,6 +7,7 @@ configuration under MultiWorkerMirroredStrategy with a custom loop:
 
     dense         the plain optimizer: Keras's dense all-reduce of every gradient
     topk:<d>      tf_topk.TopKOptimizer(same optimizer, density=d)
+    topk:<d>@<m>  the same with exchange_mode=m (allgather, allreduce, auto)
     dgc:<d>       the same with momentum_correction=True, sparse_updates=True:
                   the momentum moves into the exchange, and the update touches
                   only the entries sent
@@ -118,17 +119,18 @@ def make_batches(np, shape, classes, batch_size, seed, index, count=4):
 
 
 def parse_config(text):
-    """'dense' -> (None, None); 'topk:0.001' -> ('topk', 0.001); 'dgc:0.001' -> ('dgc', 0.001);
-    'adaptive' -> ('adaptive', 'adaptive')."""
+    """(kind, density, exchange mode or None for the library's default):
+    'dense' -> (None, None, None); 'topk:0.001' -> ('topk', 0.001, None);
+    'dgc:0.001@allreduce' -> ('dgc', 0.001, 'allreduce'); 'adaptive' -> ('adaptive', 'adaptive', None)."""
     if text == "dense":
-        return None, None
+        return None, None, None
     if text == "adaptive":
-        return "adaptive", "adaptive"
-    m = re.match(r"^(topk|dgc):(\d*\.?\d+(?:e-?\d+)?)$", text)
-    if not m or not 0 < float(m.group(2)) <= 1:
+        return "adaptive", "adaptive", None
+    m = re.match(r"^(topk|dgc):(\d*\.?\d+(?:e-?\d+)?)(?:@(\w+))?$", text)
+    if not m or not 0 < float(m.group(2)) <= 1:  # the mode is checked by TopKOptimizer (no TF here yet)
         raise ValueError(f"config must be 'dense', 'topk:<density in (0, 1]>', 'dgc:<density>' or 'adaptive', "
-                         f"got {text!r}")
-    return m.group(1), float(m.group(2))
+                         f"optionally with '@<exchange mode>', got {text!r}")
+    return m.group(1), float(m.group(2)), m.group(3)
 
 
 def parse_args(argv=None):
@@ -167,11 +169,12 @@ def start_strategy(tf, args):
     return tf.distribute.MultiWorkerMirroredStrategy()
 
 
-def build_training(keras, tf_topk, strategy, args, kind, density):
+def build_training(keras, tf_topk, strategy, args, kind, density, exchange_mode=None):
     """(model, optimizer, input shape, classes), created in the strategy's scope
     so their variables are mirrored: the plain SGD for `dense` (Keras's dense
     all-reduce), TopKOptimizer around the same SGD for `topk:<d>`, with
-    momentum correction and sparse updates for `dgc:<d>`."""
+    momentum correction and sparse updates for `dgc:<d>`, by `exchange_mode`
+    when given."""
     with strategy.scope():
         model, shape, classes = build_model(keras, args.model, args.seed)
         inner = keras.optimizers.SGD(args.learning_rate, momentum=0.9)
@@ -181,8 +184,9 @@ def build_training(keras, tf_topk, strategy, args, kind, density):
             optimizer = tf_topk.TopKOptimizer(inner, density="adaptive", method=args.method)
         else:
             dgc = kind == "dgc"
+            mode = {} if exchange_mode is None else {"exchange_mode": exchange_mode}
             optimizer = tf_topk.TopKOptimizer(inner, density=density, method=args.method, momentum_correction=dgc,
-                                              sparse_updates=dgc)
+                                              sparse_updates=dgc, **mode)
     return model, optimizer, shape, classes
 
 
@@ -270,7 +274,7 @@ def exit_without_teardown():
 def main(argv=None):
     args = parse_args(argv)
     die_with_parent(args.parent_pid)
-    kind, density = parse_config(args.config)
+    kind, density, exchange_mode = parse_config(args.config)
     index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 
     import numpy as np
@@ -282,7 +286,8 @@ def main(argv=None):
     import tf_topk
 
     replicas = strategy.num_replicas_in_sync
-    model, optimizer, shape, classes = build_training(keras, tf_topk, strategy, args, kind, density)
+    model, optimizer, shape, classes = build_training(keras, tf_topk, strategy, args, kind, density,
+                                                      exchange_mode)
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     global_batch = args.batch_size * replicas
     batches = [(tf.constant(x), tf.constant(y)) for x, y in

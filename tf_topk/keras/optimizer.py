@@ -98,9 +98,10 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         norm / sqrt(replicas) before it enters the accumulation (DGC's local
         clipping); think of it as the clip norm of the summed gradient.
       name: optimizer name.
-      exchange_mode: "allgather" (default), "auto" or "allreduce" (agreed
-        indices, bytes per worker that do not grow with the number of
-        workers), as in `tf_topk.SparseExchange`.
+      exchange_mode: "auto" (default: per bucket, whichever of all_gather,
+        agreed indices and dense sends the fewest bytes), "allgather" or
+        "allreduce" (agreed indices, bytes per worker that do not grow with
+        the number of workers), as in `tf_topk.SparseExchange`.
       sparse_updates: update each sparsified variable only at the entries
         sent (`variable -= lr * pairs`, O(pairs) instead of a dense gradient
         and an update of every entry). For an inner SGD without momentum
@@ -144,13 +145,15 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
     def __init__(self, inner_optimizer, density=FROM_CONFIG, method=FROM_CONFIG, min_size=FROM_CONFIG,
                  bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
                  local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
+                 variance_warmup_steps=FROM_CONFIG,
                  config=None, selector=None, memory=None, router=None, **kwargs):
         check_inner_optimizer(inner_optimizer, keras.optimizers.Optimizer, TopKOptimizer,
                               keras.mixed_precision.LossScaleOptimizer, "keras")
         exchange_config = wrapper_exchange_config(
-            inner_optimizer, keras.optimizers.SGD, "keras", config, density=density, method=method,
+            inner_optimizer, keras.optimizers.SGD, (keras.optimizers.Adam, keras.optimizers.AdamW), "keras", config, density=density, method=method,
             min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
             momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
+            variance_warmup_steps=variance_warmup_steps,
             sparse_updates=sparse_updates)
         parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "keras")
@@ -235,10 +238,16 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
 
     def _apply_update(self, grads, trainable_variables):
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if isinstance(g, SparseGradient)]
-        present = [(g, v) for g, v in zip(grads, trainable_variables)
-                   if g is not None and not isinstance(g, SparseGradient)]
-        if pairs:  # first: the learning rate of this iteration, before the inner apply advances it
+        directed = self._direction_positions()
+        directions = [(g, v) for i, (g, v) in enumerate(zip(grads, trainable_variables))
+                      if i in directed and g is not None]
+        present = [(g, v) for i, (g, v) in enumerate(zip(grads, trainable_variables))
+                   if g is not None and not isinstance(g, SparseGradient) and i not in directed]
+        # First: the learning rate of this iteration, before the inner apply advances it.
+        if pairs:
             self._apply_pairs(pairs)
+        if directions:
+            self._apply_directions(directions)
         with InnerOverrides(self.inner_optimizer, self._inner_overrides):
             if present:
                 self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])

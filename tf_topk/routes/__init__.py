@@ -4,18 +4,19 @@ One class per way (`AllGatherRoute`, `AgreedIndexRoute`, `DenseRoute`, and
 `AgreedOrDenseRoute`, the run-time switch between the last two), each owning
 its selection step where it differs, its collective, its split into the
 variables' gradients and its bytes per step. A router picks one per bucket
-and step: `FixedRouter(route)`, or `AutoRouter()` by bytes
-(`exchange_mode="auto"`). `SparseExchange(..., router=...)` takes either.
+and step: `FixedRouter(route)`, or `AutoRouter()` by bytes and accuracy
+(`exchange_mode="auto"`, the default). `SparseExchange(..., router=...)` takes either.
 """
 
-from tf_topk.routes.agreed import AgreedIndexRoute, AgreedOrDenseRoute, agree_indices
+from tf_topk.routes.agreed import AgreedIndexRoute, AgreedOrDenseRoute, agree_indices, nominations, share_indices
 from tf_topk.routes.allgather import AllGatherRoute
 from tf_topk.routes.base import Bucket, Route, all_reduce_dense, gather_bytes, ring_all_reduce_bytes, taken_out
 from tf_topk.routes.dense import DenseRoute
-from tf_topk.routes.router import (DENSE_CARRY_BYTES, MODE_CODES, MODES, ROUTES, AutoRouter, FixedRouter, Router,
+from tf_topk.routes.router import (ALLGATHER_SHARE, DENSE_CARRY_BYTES, MODE_CODES, MODES, ROUTES, AutoRouter, FixedRouter, Router,
                                    carries, carry_in_gather, choose_mode, dense_path_bytes, mode_bytes, router_for)
 
-__all__ = ["AgreedIndexRoute", "AgreedOrDenseRoute", "AllGatherRoute", "AutoRouter", "Bucket", "DENSE_CARRY_BYTES",
-           "DenseRoute", "FixedRouter", "MODES", "MODE_CODES", "ROUTES", "Route", "Router", "agree_indices", "all_reduce_dense",
-           "carries", "carry_in_gather", "choose_mode", "dense_path_bytes", "gather_bytes", "mode_bytes", "ring_all_reduce_bytes", "router_for",
+__all__ = ["ALLGATHER_SHARE", "AgreedIndexRoute", "AgreedOrDenseRoute", "AllGatherRoute", "AutoRouter", "Bucket",
+           "DENSE_CARRY_BYTES", "DenseRoute", "FixedRouter", "MODES", "MODE_CODES", "ROUTES", "Route", "Router",
+           "agree_indices", "all_reduce_dense", "carries", "carry_in_gather", "choose_mode", "dense_path_bytes",
+           "gather_bytes", "mode_bytes", "nominations", "ring_all_reduce_bytes", "router_for", "share_indices",
            "taken_out"]

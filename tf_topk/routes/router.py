@@ -17,6 +17,15 @@ MODE_CODES = {name: route.code for name, route in ROUTES.items()}  # the "exchan
 # messages between workers, about half a millisecond) at 1 Gbit/s.
 DENSE_CARRY_BYTES = 64 * 1024
 
+# "auto" keeps all_gather while it sends at most this share of the dense
+# all-reduce's bytes, that is while P * k <= n / 16: each replica's own top-k
+# is the more accurate selection (agreed indices send k distinct entries a
+# step, all_gather up to P * k), and its bytes are small beside dense. At 4
+# replicas agreed indices matched all_gather at density 0.01 (P * k = n / 25)
+# and lost 1.9 points on the synthetic task at 0.001 (benchmarks/RESULTS.md,
+# "Agreed indices at 4 replicas").
+ALLGATHER_SHARE = 1.0 / 16
+
 
 def mode_bytes(mode, pairs, entries, replicas):
     """Bytes a worker sends per step to exchange one bucket of `entries`
@@ -35,12 +44,24 @@ def mode_bytes(mode, pairs, entries, replicas):
 
 
 def choose_mode(replicas, pairs, entries, modes=MODES):
-    """The route name among `modes` that sends the fewest bytes (ties: the
-    earlier of allgather, allreduce, dense: each replica's own top-k is the
-    better selection, and the sparse routes keep residuals)."""
+    """The route name among `modes` for a bucket of `entries` entries with
+    `pairs` selected pairs at `replicas` replicas: allgather while it sends at
+    most ALLGATHER_SHARE of the dense all-reduce's bytes, else whichever sends
+    the fewest bytes (ties: the earlier of allgather, allreduce, dense: each
+    replica's own top-k is the better selection, and the sparse routes keep
+    residuals). Never more bytes than dense.
+
+    >>> choose_mode(4, pairs=16, entries=16_384)     # P * k = n / 256
+    'allgather'
+    >>> choose_mode(8, pairs=164, entries=16_384)    # P * k = n / 12.5
+    'allreduce'
+    """
     order = [m for m in ("allgather", "allreduce", "dense") if m in modes]
     if not order:
         raise ValueError(f"modes must hold at least one of {MODES}, got {modes!r}")
+    if "allgather" in order and mode_bytes("allgather", pairs, entries, replicas) <= (
+            ALLGATHER_SHARE * mode_bytes("dense", pairs, entries, replicas)):
+        return "allgather"
     return min(order, key=lambda m: mode_bytes(m, pairs, entries, replicas))
 
 
@@ -106,13 +127,14 @@ class FixedRouter(Router):
 
 
 class AutoRouter(Router):
-    """Per bucket, whichever of dense, all_gather and agreed indices sends the
-    fewest bytes (`choose_mode`): all_gather at P <= 2, agreed indices above,
-    dense once k > n/2 (k > n/P at P = 2). Decided when traced; with a k
+    """Per bucket, the route `choose_mode` picks: all_gather while P * k <=
+    n / 16 (and at P <= 2, where it never sends more than agreed indices),
+    else the fewest bytes: agreed indices, or dense once k > n/2 (k > n/P at
+    P = 2). Decided when traced; with a k
     tensor (scheduled or adaptive density) whose largest value can reach the
     dense side, per step (`AgreedOrDenseRoute`). Never more bytes than dense."""
 
-    uses_leader = True
+    uses_leader = False  # its agreed indices are nominated
     can_go_dense = True
 
     def route(self, bucket, replicas):

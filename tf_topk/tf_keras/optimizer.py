@@ -92,6 +92,7 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
     def __init__(self, inner_optimizer, density=FROM_CONFIG, method=FROM_CONFIG, min_size=FROM_CONFIG,
                  bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
                  local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
+                 variance_warmup_steps=FROM_CONFIG,
                  config=None, selector=None, memory=None, router=None, **kwargs):
         if isinstance(inner_optimizer, tf_keras.optimizers.legacy.Optimizer):
             raise ValueError(
@@ -101,9 +102,11 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
         check_inner_optimizer(inner_optimizer, tf_keras.optimizers.Optimizer, TopKOptimizer,
                               tf_keras.mixed_precision.LossScaleOptimizer, "tf_keras")
         exchange_config = wrapper_exchange_config(
-            inner_optimizer, tf_keras.optimizers.SGD, "tf_keras", config, density=density, method=method,
+            inner_optimizer, tf_keras.optimizers.SGD, (tf_keras.optimizers.Adam, tf_keras.optimizers.AdamW),
+            "tf_keras", config, density=density, method=method,
             min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
             momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
+            variance_warmup_steps=variance_warmup_steps,
             sparse_updates=sparse_updates, sparse_updates_available=False)
         parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         kwargs.pop("is_legacy_optimizer", None)  # written by get_config
@@ -119,7 +122,7 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
             return
         var_list = list(var_list)
         overrides = dict(self._inner_overrides)
-        if self.momentum_correction:
+        if self.momentum_correction and self.exchange_config.beta_2 is None:
             overrides["add_variable_from_reference"] = _without_momentum_slots(
                 self.inner_optimizer.add_variable_from_reference)
         with InnerOverrides(self.inner_optimizer, overrides):
@@ -198,8 +201,17 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
         return self.iterations
 
     def _apply_update(self, grads, variables):
+        directed = self._direction_positions()
+        is_direction = [self._index_dict[self._var_key(v)] in directed for v in variables]
+        directions = [(g, v) for g, v, d in zip(grads, variables, is_direction) if d]
+        present = [(g, v) for g, v, d in zip(grads, variables, is_direction) if not d]
+        if directions:  # first: the learning rate of this iteration, before the inner apply advances it
+            self._apply_directions(directions)
         with InnerOverrides(self.inner_optimizer, self._inner_overrides):
-            self.inner_optimizer.apply_gradients(zip(grads, variables), skip_gradients_aggregation=True)
+            if present:
+                self.inner_optimizer.apply_gradients(present, skip_gradients_aggregation=True)
+            else:
+                self.inner_optimizer.iterations.assign_add(1)
         return tf.constant(True)
 
     # -- serialization --------------------------------------------------------

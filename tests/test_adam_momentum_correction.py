@@ -1,0 +1,262 @@
+"""Adam's momentum correction (`tf_topk.memory.AdamMomentumCorrectionMemory`).
+
+Two replicas in one process (tests/workers/adam_replicas.py) run
+TopKOptimizer(AdamW) of both Keras wrappers with both exchange modes over a
+dense warm-up, the freeze of the second moment and sparse steps, one of them
+non-finite; every replica's variables and state are compared with the
+algorithm written in numpy. The rest runs in this process: the warm-up is
+Keras's AdamW, the defaults, the state in checkpoints and `.keras` files,
+mixed precision, and the errors.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from digits_models import digits, mlp
+from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+
+import tf_topk
+from tf_topk.config import ExchangeConfig
+
+SHAPES = [(40, 50), (300,), (3000,)]  # 2000 and 3000 entries sparsified; 300 on the dense path
+MIN_SIZE, DENSITY, REPLICAS, STEPS, WARMUP, NAN_STEP = 1000, 0.01, 2, 7, 3, 5
+LR, WD, BETA_1, BETA_2, EPSILON = 0.01, 0.05, 0.9, 0.999, 1e-7
+SPARSE = [v for v, shape in enumerate(SHAPES) if math.prod(shape) >= MIN_SIZE]
+CLOSE = dict(rtol=2e-5, atol=2e-6)
+
+
+def top_k_indices(flat, k):
+    return np.argsort(-np.abs(flat), kind="stable")[:k]
+
+
+def nominated_indices(accumulated, k):
+    """Agreed indices: slot j holds replica (j mod P)'s (j // P)-th largest entry."""
+    ranked = [top_k_indices(a, k) for a in accumulated]
+    return np.unique([ranked[j % len(accumulated)][j // len(accumulated)] for j in range(k)])
+
+
+def adam_direction(first, second, t):
+    """Keras's Adam step per unit of learning rate, at its t-th step (from 1)."""
+    return first * math.sqrt(1 - BETA_2 ** t) / (1 - BETA_1 ** t) / (np.sqrt(second) + EPSILON)
+
+
+def reference(data, mode):
+    """Per step: the variables, and per replica the memory state (residual, velocity) after it; the
+    moments (the same on every replica)."""
+    x = [data[f"input/start{v}"].reshape(-1).astype(np.float64) for v in range(len(SHAPES))]
+    sizes = [math.prod(shape) for shape in SHAPES]
+    first = [np.zeros(sizes[v]) for v in range(len(SHAPES))]   # per variable: the memory's or the inner Adam's
+    second = [np.zeros(sizes[v]) for v in range(len(SHAPES))]
+    residuals = [[np.zeros(sizes[v]) for v in SPARSE] for _ in range(REPLICAS)]
+    velocities = [[np.zeros(sizes[v]) for v in SPARSE] for _ in range(REPLICAS)]
+    t, steps = 0, []  # t: kept steps so far (the optimizer's iterations)
+    for s in range(STEPS):
+        grads = [[data[f"input/step{s}/replica{r}/grad{v}"].reshape(-1).astype(np.float64)
+                  for v in range(len(SHAPES))] for r in range(REPLICAS)]
+        if all(np.isfinite(g).all() for gs in grads for g in gs):
+            for v in range(len(SHAPES)):
+                if v in SPARSE and t >= WARMUP:
+                    slot = SPARSE.index(v)
+                    preconditioner = (np.sqrt(second[v]) + EPSILON) / math.sqrt(1 - BETA_2 ** WARMUP)
+                    accumulated = []
+                    for r in range(REPLICAS):
+                        if t == WARMUP:  # the switch: each replica's velocity from the first moment
+                            velocities[r][slot] = first[v] / (1 - BETA_1 ** WARMUP) / (REPLICAS * preconditioner)
+                        velocities[r][slot] = BETA_1 * velocities[r][slot] + (1 - BETA_1) * grads[r][v] / preconditioner
+                        accumulated.append(residuals[r][slot] + velocities[r][slot])
+                    k = math.ceil(DENSITY * sizes[v])
+                    direction = np.zeros(sizes[v])
+                    for r in range(REPLICAS):
+                        indices = (top_k_indices(accumulated[r], k) if mode == "allgather"
+                                   else nominated_indices(accumulated, k))
+                        sent = np.zeros(sizes[v])
+                        sent[indices] = accumulated[r][indices]
+                        residuals[r][slot] = accumulated[r] - sent
+                        direction += sent
+                else:  # warm-up (the memory's Adam) or the dense path (the inner AdamW): Adam on the sum
+                    summed = sum(grads[r][v] for r in range(REPLICAS))
+                    first[v] = BETA_1 * first[v] + (1 - BETA_1) * summed
+                    second[v] = BETA_2 * second[v] + (1 - BETA_2) * summed ** 2
+                    direction = adam_direction(first[v], second[v], t + 1)
+                x[v] = x[v] - LR * (direction + WD * x[v])
+            t += 1
+        steps.append(([w.copy() for w in x], [[u.copy() for u in us] for us in velocities],
+                      [[e.copy() for e in es] for es in residuals], [first[v].copy() for v in SPARSE],
+                      [second[v].copy() for v in SPARSE]))
+    return steps
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("adam") / "replicas.npz"
+    config = json.dumps(dict(shapes=SHAPES, min_size=MIN_SIZE, density=DENSITY, replicas=REPLICAS, steps=STEPS,
+                             warmup_steps=WARMUP, learning_rate=LR, weight_decay=WD, nan_step=NAN_STEP))
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "adam_replicas.py"), str(path), config],
+                          cwd=REPO_ROOT, env=worker_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with np.load(path) as saved:
+        return dict(saved)
+
+
+RUNS = [f"{api}/{mode}" for api in ("keras", "tf_keras") for mode in ("allgather", "allreduce")]
+
+
+@pytest.mark.parametrize("label", RUNS)
+def test_two_replicas_match_numpy_over_warmup_freeze_and_sparse_steps(data, label):
+    mode = label.split("/")[1]
+    for s, (x, velocities, residuals, first, second) in enumerate(reference(data, mode)):
+        for r in range(REPLICAS):
+            prefix = f"{label}/step{s}/replica{r}"
+            for v in range(len(SHAPES)):
+                np.testing.assert_allclose(data[f"{prefix}/variable{v}"].reshape(-1), x[v], **CLOSE,
+                                           err_msg=f"{prefix} variable {v}")
+            for slot in range(len(SPARSE)):
+                for name, expected in (("velocity", velocities[r][slot]), ("residual", residuals[r][slot]),
+                                       ("first", first[slot]), ("second", second[slot])):
+                    np.testing.assert_allclose(data[f"{prefix}/{name}{slot}"].reshape(-1), expected,
+                                               rtol=2e-5, atol=1e-5, err_msg=f"{prefix} {name} {slot}")
+    assert int(data[f"{label}/skipped"]) == 1 and int(data[f"{label}/iterations"]) == STEPS - 1
+
+
+@pytest.mark.parametrize("label", RUNS)
+def test_replicas_stay_bitwise_identical_and_keep_their_own_residuals(data, label):
+    last = f"{label}/step{STEPS - 1}"
+    for v in range(len(SHAPES)):
+        np.testing.assert_array_equal(data[f"{last}/replica1/variable{v}"], data[f"{last}/replica0/variable{v}"])
+    # Sparse steps happened: residuals are kept, and differ per replica.
+    assert np.abs(data[f"{last}/replica0/residual0"]).sum() > 0
+    assert not np.array_equal(data[f"{last}/replica0/velocity0"], data[f"{last}/replica1/velocity0"])
+
+
+def test_the_non_finite_step_left_everything_as_it_was(data):
+    for label in RUNS:
+        before, after = f"{label}/step{NAN_STEP - 1}/replica0", f"{label}/step{NAN_STEP}/replica0"
+        for name in ("variable0", "variable1", "residual0", "velocity0", "first0", "second0"):
+            np.testing.assert_array_equal(data[f"{after}/{name}"], data[f"{before}/{name}"])
+
+
+def test_the_two_wrappers_agree(data):
+    for mode in ("allgather", "allreduce"):
+        for v in range(len(SHAPES)):
+            np.testing.assert_allclose(data[f"tf_keras/{mode}/step{STEPS - 1}/replica0/variable{v}"],
+                                       data[f"keras/{mode}/step{STEPS - 1}/replica0/variable{v}"], rtol=1e-5,
+                                       atol=1e-6)
+
+
+# -- one process ---------------------------------------------------------------------------------
+
+def compile_fit(model, optimizer, x, y, epochs=1):
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    return model.fit(x, y, epochs=epochs, batch_size=64, verbose=0, shuffle=False)
+
+
+def test_during_the_warmup_it_is_keras_adamw():
+    x, y = digits(512)
+    dense, ours = mlp(), mlp()
+    compile_fit(dense, keras.optimizers.AdamW(0.003, weight_decay=0.05), x, y, epochs=2)
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003, weight_decay=0.05), density=0.01,
+                                      min_size=2000, variance_warmup_steps=1000)
+    compile_fit(ours, optimizer, x, y, epochs=2)
+    for a, b in zip(dense.get_weights(), ours.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+    assert optimizer.exchange.memory.applies_update and optimizer.exchange.sparse_positions
+
+
+@pytest.mark.parametrize("make_inner", [lambda: keras.optimizers.Adam(0.01), lambda: keras.optimizers.AdamW(0.01)])
+def test_it_is_the_default_for_adam_and_reads_the_inner_optimizer(make_inner):
+    optimizer = tf_topk.TopKOptimizer(make_inner(), density=0.01)
+    config = optimizer.exchange_config
+    assert optimizer.momentum_correction
+    assert (config.momentum, config.beta_2, config.epsilon, config.variance_warmup_steps) == (0.9, 0.999, 1e-7, 100)
+    plain = tf_topk.TopKOptimizer(make_inner(), density=0.01, momentum_correction=False)
+    assert not plain.momentum_correction and plain.exchange_config.beta_2 is None
+    sgd = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), density=0.01)
+    assert not sgd.momentum_correction  # SGD's stays opt-in
+
+
+def test_sparse_steps_train_better_than_error_feedback_in_front_of_adam():
+    """On digits at 0.1%, Adam's correction reaches a lower training loss than top-k + EF + Adam."""
+    x, y = digits(1024)
+    losses = {}
+    for correction in (False, True):
+        keras.utils.set_random_seed(0)
+        optimizer = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.003), density=0.001, min_size=1000,
+                                          momentum_correction=correction, variance_warmup_steps=16)
+        losses[correction] = compile_fit(mlp(), optimizer, x, y, epochs=8).history["loss"][-1]
+    assert losses[True] < 0.8 * losses[False], losses
+
+
+def test_keras_file_and_checkpoint_restore_the_state_exactly(tmp_path):
+    x, y = digits(512)
+    model = mlp()
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.01, min_size=1000,
+                                      variance_warmup_steps=3)
+    compile_fit(model, optimizer, x, y)  # 8 steps: 3 dense, 5 sparse
+    memory = optimizer.exchange.memory
+    state = [v.numpy().copy() for v in memory.state_variables]
+    assert np.abs(state[0]).sum() > 0 and len(state) == 4 * len(optimizer.exchange.sparse_positions)
+    config = optimizer.get_config()
+    assert config["momentum_correction"] is True and config["variance_warmup_steps"] == 3
+    assert "beta_2" not in config  # the inner optimizer's
+    assert tf_topk.TopKOptimizer.from_config(config).get_config() == config
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert loaded.optimizer.exchange_config == optimizer.exchange_config
+    saved = tf.train.Checkpoint(optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    other = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.01, min_size=1000,
+                                  variance_warmup_steps=3)
+    other.build(mlp(seed=3).trainable_variables)
+    tf.train.Checkpoint(optimizer=other).restore(saved).assert_existing_objects_matched()
+    for expected, restored in zip(state, other.exchange.memory.state_variables):
+        np.testing.assert_array_equal(restored.numpy(), expected)
+
+
+def test_mixed_precision_trains():
+    x, y = digits(512)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.05, variance_warmup_steps=8)
+        history = compile_fit(mlp(), optimizer, x, y, epochs=4)
+        assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+        assert all(v.dtype == tf.float32 for v in optimizer.exchange.memory.state_variables)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01, amsgrad=True), momentum_correction=True),
+     "use amsgrad=False, or momentum_correction=False"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), variance_warmup_steps=0),
+     "variance_warmup_steps must be an int >= 1, got 0"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density="adaptive"),
+     "an adaptive density cannot go with Adam's momentum correction"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), sparse_updates=True),
+     "sparse_updates=True needs a keras.optimizers.SGD as inner optimizer .* got Adam"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), config=ExchangeConfig(momentum=0.9)),
+     "config has .* but the inner Adam has"),
+    (lambda: ExchangeConfig(beta_2=0.999), r"beta_2=... \(Adam's momentum correction\) needs momentum"),
+    (lambda: ExchangeConfig(momentum=0.9, beta_2=1.0), r"beta_2 must be None or a float in \(0, 1\), got 1.0"),
+    (lambda: ExchangeConfig(momentum=0.9, beta_2=0.999, epsilon=0.0), "epsilon must be a finite float > 0, got 0.0"),
+    (lambda: ExchangeConfig(momentum=0.9, beta_2=0.999, sparse_output=True), "sparse_output=True .* is for SGD"),
+])
+def test_bad_combinations_are_refused_by_name(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_a_custom_loop_exchange_without_a_step_is_refused():
+    variable = tf.Variable(tf.zeros([5000]))
+    exchange = tf_topk.SparseExchange([variable], density=0.01, min_size=100, momentum=0.9, beta_2=0.999)
+    with pytest.raises(ValueError, match="AdamMomentumCorrectionMemory needs the step: call the exchange with step="):
+        exchange([tf.ones([5000])])
+    assert exchange([tf.ones([5000])], step=tf.constant(0)).all_finite
