@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from digits_models import digits, mlp
 from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+from selection_reference import nominated_indices, top_k_indices
 
 import tf_topk
 from tf_topk.config import ExchangeConfig
@@ -30,16 +31,6 @@ MIN_SIZE, DENSITY, REPLICAS, STEPS, WARMUP, NAN_STEP = 1000, 0.01, 2, 7, 3, 5
 LR, WD, BETA_1, BETA_2, EPSILON = 0.01, 0.05, 0.9, 0.999, 1e-7
 SPARSE = [v for v, shape in enumerate(SHAPES) if math.prod(shape) >= MIN_SIZE]
 CLOSE = dict(rtol=2e-5, atol=2e-6)
-
-
-def top_k_indices(flat, k):
-    return np.argsort(-np.abs(flat), kind="stable")[:k]
-
-
-def nominated_indices(accumulated, k):
-    """Agreed indices: slot j holds replica (j mod P)'s (j // P)-th largest entry."""
-    ranked = [top_k_indices(a, k) for a in accumulated]
-    return np.unique([ranked[j % len(accumulated)][j // len(accumulated)] for j in range(k)])
 
 
 def adam_direction(first, second, t):
@@ -56,17 +47,28 @@ def reference(data, mode):
     second = [np.zeros(sizes[v]) for v in range(len(SHAPES))]
     residuals = [[np.zeros(sizes[v]) for v in SPARSE] for _ in range(REPLICAS)]
     velocities = [[np.zeros(sizes[v]) for v in SPARSE] for _ in range(REPLICAS)]
+    scales = [[np.zeros(2) for v in SPARSE] for _ in range(REPLICAS)]  # per replica: EMA of mean g^2, frozen value
     t, steps = 0, []  # t: kept steps so far (the optimizer's iterations)
     for s in range(STEPS):
         grads = [[data[f"input/step{s}/replica{r}/grad{v}"].reshape(-1).astype(np.float64)
                   for v in range(len(SHAPES))] for r in range(REPLICAS)]
         if all(np.isfinite(g).all() for gs in grads for g in gs):
+            ratios = [[1.0] * len(SPARSE) for _ in range(REPLICAS)]  # p's scale factor, per replica and slot
+            for r in range(REPLICAS):
+                for slot, v in enumerate(SPARSE):
+                    running = BETA_2 * scales[r][slot][0] + (1 - BETA_2) * np.mean(grads[r][v] ** 2)
+                    running_hat = running / (1 - BETA_2 ** (t + 1))
+                    frozen = running_hat if t == WARMUP - 1 else scales[r][slot][1]
+                    if t >= WARMUP:
+                        ratios[r][slot] = math.sqrt(running_hat / frozen)
+                    scales[r][slot] = np.array([running, frozen])
             for v in range(len(SHAPES)):
                 if v in SPARSE and t >= WARMUP:
                     slot = SPARSE.index(v)
-                    preconditioner = (np.sqrt(second[v]) + EPSILON) / math.sqrt(1 - BETA_2 ** WARMUP)
+                    frozen_p = (np.sqrt(second[v]) + EPSILON) / math.sqrt(1 - BETA_2 ** WARMUP)
                     accumulated = []
                     for r in range(REPLICAS):
+                        preconditioner = frozen_p * ratios[r][slot]
                         if t == WARMUP:  # the switch: each replica's velocity from the first moment
                             velocities[r][slot] = first[v] / (1 - BETA_1 ** WARMUP) / (REPLICAS * preconditioner)
                         velocities[r][slot] = BETA_1 * velocities[r][slot] + (1 - BETA_1) * grads[r][v] / preconditioner
@@ -89,7 +91,7 @@ def reference(data, mode):
             t += 1
         steps.append(([w.copy() for w in x], [[u.copy() for u in us] for us in velocities],
                       [[e.copy() for e in es] for es in residuals], [first[v].copy() for v in SPARSE],
-                      [second[v].copy() for v in SPARSE]))
+                      [second[v].copy() for v in SPARSE], [[c.copy() for c in cs] for cs in scales]))
     return steps
 
 
@@ -112,7 +114,7 @@ RUNS = [f"{api}/{mode}" for api in ("keras", "tf_keras") for mode in ("allgather
 @pytest.mark.parametrize("label", RUNS)
 def test_two_replicas_match_numpy_over_warmup_freeze_and_sparse_steps(data, label):
     mode = label.split("/")[1]
-    for s, (x, velocities, residuals, first, second) in enumerate(reference(data, mode)):
+    for s, (x, velocities, residuals, first, second, scales) in enumerate(reference(data, mode)):
         for r in range(REPLICAS):
             prefix = f"{label}/step{s}/replica{r}"
             for v in range(len(SHAPES)):
@@ -120,7 +122,8 @@ def test_two_replicas_match_numpy_over_warmup_freeze_and_sparse_steps(data, labe
                                            err_msg=f"{prefix} variable {v}")
             for slot in range(len(SPARSE)):
                 for name, expected in (("velocity", velocities[r][slot]), ("residual", residuals[r][slot]),
-                                       ("first", first[slot]), ("second", second[slot])):
+                                       ("first", first[slot]), ("second", second[slot]),
+                                       ("scale", scales[r][slot])):
                     np.testing.assert_allclose(data[f"{prefix}/{name}{slot}"].reshape(-1), expected,
                                                rtol=2e-5, atol=1e-5, err_msg=f"{prefix} {name} {slot}")
     assert int(data[f"{label}/skipped"]) == 1 and int(data[f"{label}/iterations"]) == STEPS - 1
@@ -139,7 +142,7 @@ def test_replicas_stay_bitwise_identical_and_keep_their_own_residuals(data, labe
 def test_the_non_finite_step_left_everything_as_it_was(data):
     for label in RUNS:
         before, after = f"{label}/step{NAN_STEP - 1}/replica0", f"{label}/step{NAN_STEP}/replica0"
-        for name in ("variable0", "variable1", "residual0", "velocity0", "first0", "second0"):
+        for name in ("variable0", "variable1", "residual0", "velocity0", "first0", "second0", "scale0"):
             np.testing.assert_array_equal(data[f"{after}/{name}"], data[f"{before}/{name}"])
 
 
@@ -184,15 +187,16 @@ def test_it_is_the_default_for_adam_and_reads_the_inner_optimizer(make_inner):
 
 
 def test_sparse_steps_train_better_than_error_feedback_in_front_of_adam():
-    """On digits at 0.1%, Adam's correction reaches a lower training loss than top-k + EF + Adam."""
+    """On digits at 0.1% (128 steps, 32 of them dense for the correction), Adam's correction reaches
+    a training loss well below top-k + EF + Adam's (measured: 0.54 against 1.80)."""
     x, y = digits(1024)
     losses = {}
     for correction in (False, True):
         keras.utils.set_random_seed(0)
         optimizer = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.003), density=0.001, min_size=1000,
-                                          momentum_correction=correction, variance_warmup_steps=16)
+                                          momentum_correction=correction, variance_warmup_steps=32)
         losses[correction] = compile_fit(mlp(), optimizer, x, y, epochs=8).history["loss"][-1]
-    assert losses[True] < 0.8 * losses[False], losses
+    assert losses[True] < 0.5 * losses[False], losses
 
 
 def test_keras_file_and_checkpoint_restore_the_state_exactly(tmp_path):
@@ -203,7 +207,7 @@ def test_keras_file_and_checkpoint_restore_the_state_exactly(tmp_path):
     compile_fit(model, optimizer, x, y)  # 8 steps: 3 dense, 5 sparse
     memory = optimizer.exchange.memory
     state = [v.numpy().copy() for v in memory.state_variables]
-    assert np.abs(state[0]).sum() > 0 and len(state) == 4 * len(optimizer.exchange.sparse_positions)
+    assert np.abs(state[0]).sum() > 0 and len(state) == 5 * len(optimizer.exchange.sparse_positions)
     config = optimizer.get_config()
     assert config["momentum_correction"] is True and config["variance_warmup_steps"] == 3
     assert "beta_2" not in config  # the inner optimizer's

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
+from selection_reference import nominated_indices, top_k_indices
 from tf_topk.routes import ALLGATHER_SHARE, MODE_CODES, choose_mode, mode_bytes, ring_all_reduce_bytes
 
 SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
@@ -34,16 +35,6 @@ DENSE = [v for v in range(len(SHAPES)) if v not in SPARSE]
 RUNS = ("ef", "ef_leader", "ef_same", "ef_buckets", "dgc", "auto_schedule")
 NAN_RUNS = ("ef", "ef_leader")  # the others get the non-finite entry as 0
 CLOSE = dict(rtol=2e-5, atol=2e-5)
-
-
-def top_k_indices(flat, k):
-    return np.argsort(-np.abs(flat), kind="stable")[:k]
-
-
-def nominated_indices(accumulated, k):
-    """The union of the replicas' nominations: slot j holds replica (j mod P)'s (j // P)-th largest entry."""
-    ranked = [top_k_indices(a, k) for a in accumulated]
-    return np.unique([ranked[j % len(accumulated)][j // len(accumulated)] for j in range(k)])
 
 
 def reference(data, label):

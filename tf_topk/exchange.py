@@ -94,7 +94,10 @@ class SparseExchange(tf.Module):
       config: a `tf_topk.ExchangeConfig` (None: the defaults); its fields are
         documented there: density, method, min_size, exchange_mode,
         bucket_bytes, error_feedback, momentum (correction), nesterov,
-        momentum_masking, local_clipnorm, sparse_output.
+        momentum_masking, local_clipnorm, sparse_output, and Adam's momentum
+        correction (beta_2, epsilon, variance_warmup_steps; the exchange
+        then needs `step=` and returns, for the sparsified variables, the
+        direction to apply by `variable -= lr * direction`).
       **options: any of those fields, overriding `config`'s
         (`SparseExchange(variables, density=0.01, exchange_mode="auto")`).
       selector, memory: replacements for the default parts (top-k of

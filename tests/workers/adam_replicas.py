@@ -74,7 +74,7 @@ for api in ("keras", "tf_keras"):
             step([tf.constant(np.stack([grads[s][r][v] for r in range(REPLICAS)])) for v in range(len(SHAPES))])
             memory = optimizer.exchange.memory
             states = {"residual": memory.residuals, "velocity": memory.velocities, "first": memory.first_moments,
-                      "second": memory.second_moments}
+                      "second": memory.second_moments, "scale": memory.gradient_scales}
             for r in range(REPLICAS):
                 prefix = f"{label}/step{s}/replica{r}"
                 for v, variable in enumerate(variables):

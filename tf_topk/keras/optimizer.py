@@ -85,15 +85,23 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
       bucket_bytes: bytes of (value, index) pairs per all_gather; None: one
         all_gather per step.
       error_feedback: keep residuals (default True).
-      momentum_correction: DGC's momentum correction with momentum factor
-        masking, for an inner `keras.optimizers.SGD` with momentum > 0 (any
-        other inner optimizer: a ValueError). Its momentum and nesterov move
-        into the exchange: each replica keeps a velocity, accumulates it in
-        its residual and sends the top-k of that, and the inner SGD applies
-        the exchanged sum without momentum (its own momentum slots are not
-        made). Recovers what momentum brings at 0.1% density, which plain
-        top-k loses. The velocity is in gradient units: a changing learning
-        rate scales the whole step, not the velocity already built up.
+      momentum_correction: for an inner `keras.optimizers.SGD` with momentum
+        > 0, DGC's momentum correction with momentum factor masking: its
+        momentum and nesterov move into the exchange: each replica keeps a
+        velocity, accumulates it in its residual and sends the top-k of that,
+        and the inner SGD applies the exchanged sum without momentum (its own
+        momentum slots are not made). Recovers what momentum brings at 0.1%
+        density, which plain top-k loses. The velocity is in gradient units:
+        a changing learning rate scales the whole step, not the velocity
+        already built up. For an inner `Adam` or `AdamW`, Adam's momentum
+        correction (`tf_topk.memory.AdamMomentumCorrectionMemory`): dense
+        AdamW for `variance_warmup_steps` steps, then the second moment frozen
+        and each replica's momentum of the preconditioned gradient sent; the
+        default for Adam and AdamW (False: top-k with error feedback in
+        front of the inner Adam). Any other inner optimizer: a ValueError.
+      variance_warmup_steps: with Adam's momentum correction, the dense
+        steps before the second moment freezes (default 100; 10% of the
+        run or less is enough).
       local_clipnorm: None, or clip each replica's gradient to this global
         norm / sqrt(replicas) before it enters the accumulation (DGC's local
         clipping); think of it as the clip norm of the summed gradient.
