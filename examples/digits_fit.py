@@ -170,7 +170,10 @@ def main(argv=None):
     result = {
         "worker": worker, "replicas": replicas, "dense": args.dense,
         "density": None if args.dense else "adaptive" if args.adaptive else args.density,
+        # Per epoch (its last step): the entries this worker sent, and k (the slots every worker fills;
+        # with agreed indices a worker may hold 0 at an index another worker nominated).
         "densities": [float(v) for v in history.history.get("topk_density", [])],
+        "k_fractions": [1.0 - float(v) for v in history.history.get("topk_random_k_bound", [])],
         "test_accuracy": float(test_accuracy), "test_loss": float(test_loss),
         "loss": [float(v) for v in history.history["loss"]],
         "bytes_per_step": float(bytes_per_step), "dense_bytes_per_step": float(dense_bytes),
