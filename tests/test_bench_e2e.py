@@ -140,6 +140,9 @@ def test_exchange_modes_name_the_configurations_and_reach_the_workers(capsys):
     assert parse_config("topk:0.01@allreduce") == ("topk", 0.01, "allreduce")
     assert parse_config("dgc:1e-3") == ("dgc", 0.001, None)
     assert parse_config("dense") == (None, None, None)
+    assert parse_config("dense_bf16") == ("dense_bf16", 1.0, "dense_bf16")
+    assert parse_config("autopilot") == ("autopilot", "autopilot", None)
+    assert e2e.configurations([0.01], bf16=True, autopilot=True) == ["dense", "dense_bf16", "topk:0.01", "autopilot"]
     for bad in ("topk:0.01@", "topk:2", "topk:0.01@all-gather"):
         with pytest.raises(ValueError, match="config must be"):
             parse_config(bad)
@@ -149,7 +152,8 @@ def test_exchange_modes_name_the_configurations_and_reach_the_workers(capsys):
     assert (row["density"], row["exchange_mode"]) == (0.01, "allreduce")
     with pytest.raises(SystemExit):
         e2e.main(["--exchange-modes", "allgather,ring", "--no-netns", "--bandwidth", "none"])
-    assert "exchange modes must be among auto,allgather,allreduce, got 'allgather,ring'" in capsys.readouterr().err
+    assert "exchange modes must be among auto,allgather,allreduce,dense_bf16, got 'allgather,ring'" in \
+        capsys.readouterr().err
 
 
 def test_refuses_limits_without_namespaces_and_explains_root(monkeypatch, capsys):
@@ -335,3 +339,33 @@ def test_cleanup_removes_leftovers_of_a_dead_run_only():
         for name in stale + [live]:
             netns.remove_namespace(name)
     assert not _our_namespaces(run_id) and not _our_namespaces(run_id + "l")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not USE_NETNS, reason="needs root, ip and tc (network namespaces)")
+def test_autopilot_sends_little_on_a_slow_link_and_bf16_halves_the_dense_bytes():
+    """Two workers in namespaces, `tc` limiting each to 10 Mbit/s: the autopilot measures that link
+    (not told it) and goes sparse; the 16-bit baseline sends half of dense's bytes."""
+    run_id = _run_id()
+    argv = BENCH + ["--workers", "2", "--model", "tiny", "--steps", "3", "--warmup", "1", "--densities", "0.01",
+                    "--bf16", "--autopilot", "--bandwidth", "10mbit", "--json", "--run-id", run_id,
+                    "--timeout", "150"]
+    proc = subprocess.run(argv, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=400)
+    try:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        rows = {row["config"]: row for row in json.loads(proc.stdout)["configs"]}
+        assert list(rows) == ["dense", "dense_bf16", "topk:0.01", "autopilot"]
+        dense, bf16, autopilot = rows["dense"], rows["dense_bf16"], rows["autopilot"]
+        # bfloat16: the sparsified kernel's 65,536 entries in 2 bytes; the 2,826 small ones and the count in 4.
+        assert bf16["estimated_bytes_sent_per_step"] == round(2 * 65_536 + 4 * 2_827)
+        assert 0.4 < bf16["wire_tx_bytes_per_step"] / dense["wire_tx_bytes_per_step"] < 0.65
+        facts = autopilot["autopilot"]
+        assert facts["line"].startswith("tf_topk autopilot: calibration (")
+        # The measured link: within a factor of two of 10 Mbit/s (1.25 MB/s; TCP and framing take their share).
+        assert 0.5 / 1.25e6 < facts["model"]["all_reduce"]["seconds_per_byte"] < 2 / 1.25e6, facts
+        # It sends little: a sparse route, at most a tenth of dense's bytes.
+        assert autopilot["exchange_mode_code"] in (1.0, 2.0), autopilot
+        assert autopilot["wire_tx_bytes_per_step"] < 0.1 * dense["wire_tx_bytes_per_step"]
+    finally:
+        _assert_nothing_left(run_id)

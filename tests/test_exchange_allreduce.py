@@ -32,7 +32,7 @@ CONFIG = dict(shapes=SHAPES, replicas=REPLICAS, steps=STEPS, density=DENSITY, na
               momentum=MOMENTUM, first_density=FIRST_DENSITY)
 SPARSE = [v for v, shape in enumerate(SHAPES) if math.prod(shape) >= MIN_SIZE]
 DENSE = [v for v in range(len(SHAPES)) if v not in SPARSE]
-RUNS = ("ef", "ef_leader", "ef_same", "ef_buckets", "dgc", "auto_schedule")
+RUNS = ("ef", "ef_leader", "ef_slots2", "ef_same", "ef_buckets", "dgc", "auto_schedule")
 NAN_RUNS = ("ef", "ef_leader")  # the others get the non-finite entry as 0
 CLOSE = dict(rtol=2e-5, atol=2e-5)
 
@@ -77,8 +77,9 @@ def reference(data, label):
                 indices = np.arange(n)
             elif label == "ef_leader":
                 indices = top_k_indices(accumulated[leader][slot], k)
-            else:
-                indices = nominated_indices([accumulated[r][slot] for r in range(REPLICAS)], k)
+            else:  # "ef_slots2": twice k agreed slots
+                slots = 2 if label == "ef_slots2" else 1
+                indices = nominated_indices([accumulated[r][slot] for r in range(REPLICAS)], slots * k)
             leader_indices.append(indices)
             for r in range(REPLICAS):
                 sent = np.zeros(n, np.float32)
@@ -97,13 +98,13 @@ def reference(data, label):
     return steps
 
 
-def expected_bytes(dense_step):
+def expected_bytes(dense_step, slots=1):
     sparse_entries = sum(math.prod(SHAPES[v]) for v in SPARSE)
     dense_entries = sum(math.prod(SHAPES[v]) for v in DENSE)
     small = ring_all_reduce_bytes(4.0 * (dense_entries + 1), REPLICAS)  # with the non-finite count
     if dense_step:
         return small + ring_all_reduce_bytes(4.0 * sparse_entries, REPLICAS)
-    pairs = sum(math.ceil(DENSITY * math.prod(SHAPES[v])) for v in SPARSE)
+    pairs = slots * sum(math.ceil(DENSITY * math.prod(SHAPES[v])) for v in SPARSE)
     return small + 2 * ring_all_reduce_bytes(4.0 * pairs, REPLICAS)
 
 
@@ -133,7 +134,8 @@ def check_against_reference(results):
                     np.testing.assert_array_equal(zero, np.sort(indices))
                 mode = "dense" if dense_step else "allreduce"
                 assert float(data[f"{prefix}/exchange_mode"]) == MODE_CODES[mode]
-                assert float(data[f"{prefix}/bytes_sent"]) == pytest.approx(expected_bytes(dense_step), rel=1e-6)
+                assert float(data[f"{prefix}/bytes_sent"]) == pytest.approx(
+                    expected_bytes(dense_step, 2 if label == "ef_slots2" else 1), rel=1e-6)
     # The leader rotates: the agreed index sets of consecutive steps differ.
     first, second = reference(results[0], "ef_leader")[:2]
     assert not np.array_equal(np.sort(first[4][0]), np.sort(second[4][0]))
@@ -141,6 +143,9 @@ def check_against_reference(results):
     # counts once (the sums above hold 3x, not 9x, the accumulated value) and the rest are spare slots.
     nominated, led = reference(results[0], "ef")[0][4], reference(results[0], "ef_leader")[0][4]
     assert any(not np.array_equal(np.sort(a), np.sort(b)) for a, b in zip(nominated, led))
+    # Twice the slots: about twice the distinct indices, each replica's own top 2k/3 named.
+    doubled = reference(results[0], "ef_slots2")[0][4]
+    assert all(len(d) > 1.5 * len(n) for d, n in zip(doubled, nominated))
     same = reference(results[0], "ef_same")[0][4]
     assert [len(i) for i in same] == [math.ceil(len(i) / REPLICAS) for i in led]
 
@@ -267,6 +272,10 @@ def test_agreed_index_route_names_its_rule_and_refuses_an_unknown_one():
     assert not AutoRouter().uses_leader  # no call counter for "auto"
     with pytest.raises(ValueError, match=r"agreement must be one of \('nominated', 'leader'\), got 'sum'"):
         AgreedIndexRoute("sum")
+    for slots in (0, 1.5, True):
+        with pytest.raises(ValueError, match=rf"slots must be an int >= 1 .*got {slots!r}"):
+            AgreedIndexRoute(slots=slots)
+    assert AgreedIndexRoute(slots=3).bytes_for_k(10, 1000, 4) == pytest.approx(2 * 2 * 3 / 4 * 4 * 30)
 
 
 def test_one_replica_sends_nothing_and_keeps_the_residual():

@@ -53,6 +53,10 @@ MEMORIES = {
 }
 LAYOUTS = {"one_bucket": None, "per_variable": 8}  # bucket_bytes
 CLOSE = dict(rtol=1e-6, atol=1e-6)
+# A bfloat16 sum over replicas against the float32 sum of their rounded
+# contributions: each of its P - 1 additions rounds to 8 significant bits, so
+# the error is within 2^-8 * (P - 1) of the sum of their magnitudes.
+BF16_ROUNDING = 2.0**-8
 
 
 def gradients(replicas, step):
@@ -92,6 +96,13 @@ def top_k_non_zero(acc, k):
     return chosen[acc[chosen] != 0]
 
 
+def to_bfloat16(x):
+    """float32 `x` rounded to the nearest bfloat16 (ties to even), as float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.astype(np.uint32).view(np.float32)
+
+
 def nominated(accumulated, k):
     """The agreed indices of one variable: the union of each replica's
     nominations, slot j of k holding replica (j mod P)'s (j // P)-th largest
@@ -114,7 +125,10 @@ class Reference:
       allreduce: the nominated indices: of each variable's k slots, slot j
         holds replica (j mod P)'s (j // P)-th largest non-zero |acc| (none
         if it has fewer), and every replica sends its own acc at the union;
-      dense:     every entry.
+      dense:     every entry;
+      dense_bf16: every entry rounded to bfloat16 (the rounding error
+        stays in the residual), summed in bfloat16 (`magnitudes`: the sum of
+        the rounded contributions' magnitudes, which bounds that sum's error).
     Zero entries send nothing. The result is the sum over replicas of what
     they sent; r's residual is acc with its sent entries zeroed; with
     masking, u is zeroed where r sent a non-zero value. One replica always
@@ -134,8 +148,11 @@ class Reference:
         self.residuals = [{v: np.zeros(SIZES[v], np.float32) for v in SPARSE} for _ in range(replicas)]
         self.velocities = [{v: np.zeros(SIZES[v], np.float32) for v in SPARSE} for _ in range(replicas)]
         self.dense_velocities = {v: np.zeros(SIZES[v], np.float32) for v in DENSE}
+        self.magnitudes = {}
 
     def bucket_mode(self, bucket):
+        if self.mode == "dense_bf16":
+            return "dense_bf16"
         if self.replicas == 1 or self.mode == "allgather":
             return "allgather"
         if self.mode == "allreduce":
@@ -167,20 +184,21 @@ class Reference:
                 accumulated = [self.accumulate(r, v, grads[r][v]) for r in range(self.replicas)]
                 k = k_of(SIZES[v], self.density)
                 agreed = nominated(accumulated, k)
-                total = np.zeros(SIZES[v], np.float32)
+                total, magnitude = np.zeros(SIZES[v], np.float32), np.zeros(SIZES[v], np.float32)
                 for r, (acc, u) in enumerate(accumulated):
-                    if mode == "dense":
+                    if mode in ("dense", "dense_bf16"):
                         taken = np.arange(SIZES[v])
                     else:
                         taken = agreed if mode == "allreduce" else top_k_non_zero(acc, k)
                     mask = np.zeros(SIZES[v], bool)
                     mask[taken] = True
-                    sent = np.where(mask, acc, np.float32(0))
+                    sent = np.where(mask, to_bfloat16(acc) if mode == "dense_bf16" else acc, np.float32(0))
                     total += sent
-                    self.residuals[r][v] = np.where(mask, np.float32(0), acc)
+                    magnitude += np.abs(sent)
+                    self.residuals[r][v] = acc - sent
                     if self.momentum is not None:
                         self.velocities[r][v] = np.where(sent != 0, np.float32(0), u)
-                summed[v] = total
+                summed[v], self.magnitudes[v] = total, magnitude
         for v in DENSE:
             total = np.zeros(SIZES[v], np.float32)
             for r in range(self.replicas):
@@ -223,6 +241,12 @@ def cells():
                 add(replicas, "auto", sparse_output, "ef", layout)
             for memory in ("ef", "nesterov"):
                 add(replicas, "auto", sparse_output, memory, "one_bucket", DENSE_DENSITY)
+    # The 16-bit dense route: every replica count, both outputs (it always
+    # hands out dense gradients), with and without momentum.
+    for replicas in REPLICA_COUNTS:
+        for sparse_output in (False, True):
+            add(replicas, "dense_bf16", sparse_output, "ef", "one_bucket")
+        add(replicas, "dense_bf16", False, "nesterov", "per_variable")
     return params
 
 
@@ -295,11 +319,16 @@ def check_sparse_gradient(local_grads, shape, expected, where):
             np.testing.assert_array_equal(indices, first[1], err_msg=f"{where}: replica {r} indices")
 
 
-def check_dense_gradient(local_grads, shape, expected, where):
-    """Every replica's dense gradient: its shape, bitwise the same everywhere, equal to the reference."""
+def check_dense_gradient(local_grads, shape, expected, where, error_bound=None):
+    """Every replica's dense gradient: its shape, bitwise the same everywhere,
+    equal to the reference (within `error_bound` per entry when given)."""
     first = local_grads[0].numpy()
     assert first.shape == shape, where
-    np.testing.assert_allclose(first.reshape(-1), expected, **CLOSE, err_msg=where)
+    if error_bound is None:
+        np.testing.assert_allclose(first.reshape(-1), expected, **CLOSE, err_msg=where)
+    else:
+        error = np.abs(first.reshape(-1) - expected)
+        assert np.all(error <= error_bound + 1e-7), f"{where}: off by {error.max()} (bound {error_bound.max()})"
     for r, grad in enumerate(local_grads[1:], 1):
         np.testing.assert_array_equal(grad.numpy(), first, err_msg=f"{where}: replica {r}")
 
@@ -342,10 +371,13 @@ def test_exchange_matches_numpy(strategies, replicas, mode, sparse_output, memor
             shape = VARIABLES[v][1]
             at = f"{where}, variable {v} {VARIABLES[v][0]}{shape}"
             # A bucket sent dense comes back dense, sparse_output or not.
-            if v in SPARSE and sparse_output and modes[bucket_of[v]] != "dense":
+            bucket_mode = modes[bucket_of[v]] if v in SPARSE else "dense"
+            if sparse_output and bucket_mode not in ("dense", "dense_bf16"):
                 check_sparse_gradient(local(out[v]), shape, expected[v], at)
             else:
-                check_dense_gradient(local(out[v]), shape, expected[v], at)
+                bound = (BF16_ROUNDING * (replicas - 1) * reference.magnitudes[v]
+                         if bucket_mode == "dense_bf16" else None)
+                check_dense_gradient(local(out[v]), shape, expected[v], at, bound)
         slot = {v: i for i, v in enumerate(SPARSE)}
         check_state(strategy, [(exchange.residuals[slot[v]], v) for v in SPARSE],
                     lambda r, v: reference.residuals[r][v], f"{where} residual")

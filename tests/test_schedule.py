@@ -221,7 +221,7 @@ def test_choose_is_the_candidate_at_choose_index():
 def test_adaptive_density_refuses_bad_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         AdaptiveDensity(**kwargs)
-    with pytest.raises(ValueError, match=r"'adaptive' or a tf_topk.schedule.AdaptiveDensity, got 'fast'"):
+    with pytest.raises(ValueError, match=r"'adaptive', 'autopilot' or a tf_topk.schedule.AdaptiveDensity, got 'fast'"):
         DensitySchedule("fast")
 
 

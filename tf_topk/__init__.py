@@ -48,8 +48,8 @@ _LAZY = {
 
 # Subpackages and modules reachable as attributes after `import tf_topk`
 # (`tf_topk.keras.CompressionStats`), also loaded on first use.
-_SUBMODULES = ("adapter", "bench", "config", "distribute", "exchange", "keras", "launch", "memory", "ops", "routes",
-               "schedule", "selector", "sparse_gradient", "tf_keras")
+_SUBMODULES = ("adapter", "autopilot", "bench", "calibrate", "config", "cost", "distribute", "exchange", "keras",
+               "launch", "memory", "ops", "routes", "schedule", "selector", "sparse_gradient", "tf_keras")
 
 __all__ = sorted(_LAZY)
 

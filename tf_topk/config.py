@@ -23,7 +23,7 @@ from tf_topk.schedule import DensitySchedule
 # all-reduce and stay exact. 4096 float32 entries are 16 KiB.
 DEFAULT_MIN_SIZE = 4096
 
-EXCHANGE_MODES = ("auto", "allgather", "allreduce")
+EXCHANGE_MODES = ("auto", "allgather", "allreduce", "dense_bf16")
 
 
 def check_min_size(min_size):
@@ -77,8 +77,9 @@ class ExchangeConfig:
     """The options of a sparse exchange (see `tf_topk.SparseExchange` for each).
 
     Args:
-      density: a float in (0, 1], (step, density) pairs, a callable, or
-        "adaptive" / a `tf_topk.schedule.AdaptiveDensity`.
+      density: a float in (0, 1], (step, density) pairs, a callable,
+        "adaptive" / a `tf_topk.schedule.AdaptiveDensity`, or "autopilot"
+        (measured when the exchange is made, `tf_topk.autopilot`).
       method: "gaussian" or "exact" (the default selector's).
       min_size: variables with fewer entries take the dense all-reduce.
       bucket_bytes: bound on a bucket's pair bytes; None: one bucket.
@@ -94,9 +95,11 @@ class ExchangeConfig:
       variance_warmup_steps: dense Adam steps before the second moment
         freezes (with beta_2; 10% of the run or less is enough).
       local_clipnorm: DGC's local gradient clipping (None: off).
-      exchange_mode: "auto" (per bucket, the route that sends the fewest
-        bytes: all_gather at 2 workers, agreed indices above, dense where
-        k is near n), "allgather" or "allreduce" (agreed indices).
+      exchange_mode: "auto" (per bucket: all_gather while P * k <= n / 16,
+        else the route that sends the fewest bytes, agreed indices or
+        dense), "allgather", "allreduce" (agreed indices), or "dense_bf16"
+        (no sparsification: every entry in bfloat16, the rounding error kept
+        in the residuals; the 16-bit baseline, `routes.Bfloat16DenseRoute`).
       sparse_output: hand sparsified gradients out as pairs.
 
     Frozen and checked when made: a bad value raises a ValueError that names

@@ -44,7 +44,7 @@ import math
 
 import tensorflow as tf
 
-from tf_topk import ops
+from tf_topk import autopilot, ops
 from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFAULT_MIN_SIZE: public here too)
 from tf_topk.memory import Memory, make_state_variable, memory_for
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
@@ -135,6 +135,15 @@ class SparseExchange(tf.Module):
         if memory is not None and (residuals is not None or self.config.momentum is not None):
             raise ValueError(f"pass {'residuals' if residuals is not None else 'momentum'} to the memory, "
                              "not next to it")
+        # density="autopilot": measure the cluster now, then either send every entry (dense or bfloat16,
+        # where no density would be faster) or route by time at an adaptive density over the measured
+        # link (tf_topk.autopilot). The optimizer's own config keeps "autopilot" for saving.
+        self.autopilot_plan = None
+        if self.config.schedule.autopilot:
+            specs = [_spec(v, self.config.min_size) for v in variables]
+            self.autopilot_plan = autopilot.plan(sum(spec.size for spec in specs if spec.sparse))
+            self.config = self.config.replace(density=self.autopilot_plan.density())
+            router = router or self.autopilot_plan.router()
         self.selector = _part(selector, Selector, "selector") or TopKSelector(self.config.method)
         self.memory = _part(memory, Memory, "memory") or memory_for(self.config, residuals)
         self.router = _part(router, Router, "router") or router_for(self.config.exchange_mode)
@@ -275,7 +284,8 @@ class SparseExchange(tf.Module):
         if not self.memory.dense_steps or not isinstance(route, AgreedIndexRoute) or \
                 isinstance(route, AgreedOrDenseRoute):
             return route
-        return AgreedOrDenseRoute(tf.less(tf.cast(step, tf.int64), self.memory.dense_steps), route.agreement)
+        return AgreedOrDenseRoute(tf.less(tf.cast(step, tf.int64), self.memory.dense_steps), route.agreement,
+                                  route.slots)
 
     def _check_call(self, grads):
         """The gradients as dense tensors (or None), and the replica context."""
@@ -365,7 +375,8 @@ class SparseExchange(tf.Module):
         routes in use; and `entries`, which the agreement needs."""
         entries = float(sum(bucket.size for bucket in buckets))
         workers = self.adaptive.replicas or replicas
-        pair_bytes = max(self.router.sparse_route(bucket, replicas).bytes(1.0, entries, workers) for bucket in buckets)
+        pair_bytes = max(self.router.sparse_route(bucket, replicas).bytes_for_k(1.0, entries, workers)
+                         for bucket in buckets)
         # Density 1 takes the dense route where the router can choose it, else
         # every pair through the same route.
         dense_bytes = (ring_all_reduce_bytes(4.0 * entries, workers) if self.router.can_go_dense

@@ -14,7 +14,9 @@ at least 1. A schedule is one of:
 With a list or a callable, k is a tensor that changes with the step.
 `dgc_warmup` builds DGC's warm-up list from the epoch length.
 `AdaptiveDensity` (or density="adaptive") chooses the density every step from
-the gradient itself: the most improvement per byte sent.
+the gradient itself: the most improvement per byte sent. density="autopilot"
+does that with the link measured on the cluster, and routes each bucket by
+predicted time (`tf_topk.autopilot`).
 """
 
 import math
@@ -66,6 +68,8 @@ class DensitySchedule:
         self.constant = None
         self.steps = None
         self.callable = None
+        self.autopilot = (isinstance(density, str) and density == AUTOPILOT) or \
+            getattr(density, "autopilot", False)
         self.adaptive = adaptive_from(density)
         if self.adaptive is not None:
             pass  # the exchange keeps the density it chose (SparseExchange.adaptive_density)
@@ -144,6 +148,8 @@ class DensitySchedule:
         return tf.clip_by_value(k, 1, size)
 
     def get_config(self):
+        if self.autopilot:  # measured again wherever it runs
+            return AUTOPILOT
         if self.adaptive is not None:
             return {"adaptive": self.adaptive.get_config()}
         if self.constant is not None:
@@ -327,15 +333,22 @@ class AdaptiveDensity:
         return f"AdaptiveDensity({', '.join(f'{k}={v!r}' for k, v in self.get_config().items())})"
 
 
+# density="autopilot": the exchange measures the cluster when it is made
+# (`tf_topk.autopilot`) and chooses the route and the density by time.
+AUTOPILOT = "autopilot"
+
+
 def adaptive_from(density):
     """The AdaptiveDensity `density` asks for ("adaptive", an AdaptiveDensity,
-    or its config as {"adaptive": {...}}), or None for a fixed or scheduled one."""
+    or its config as {"adaptive": {...}}), or None for a fixed or scheduled
+    one. "autopilot" gives the typed-in link's AdaptiveDensity, which the
+    exchange replaces with the measured one."""
     if isinstance(density, AdaptiveDensity):
         return density
     if isinstance(density, str):
-        if density != "adaptive":
+        if density not in ("adaptive", AUTOPILOT):
             raise ValueError(f"density must be a float in (0, 1], a list of (step, density) pairs, a callable, "
-                             f"'adaptive' or a tf_topk.schedule.AdaptiveDensity, got {density!r}")
+                             f"'adaptive', 'autopilot' or a tf_topk.schedule.AdaptiveDensity, got {density!r}")
         return AdaptiveDensity()
     if isinstance(density, dict) and set(density) == {"adaptive"}:
         return AdaptiveDensity(**density["adaptive"])

@@ -47,6 +47,7 @@ common = dict(method="exact", min_size=config["min_size"])
 RUNS = {
     "ef": dict(exchange_mode="allreduce", density=DENSITY),
     "ef_leader": dict(router=tf_topk.routes.FixedRouter(tf_topk.routes.AgreedIndexRoute("leader")), density=DENSITY),
+    "ef_slots2": dict(router=tf_topk.routes.FixedRouter(tf_topk.routes.AgreedIndexRoute(slots=2)), density=DENSITY),
     "ef_same": dict(exchange_mode="allreduce", density=DENSITY),  # every replica gets replica 0's gradients
     "ef_buckets": dict(exchange_mode="allreduce", density=DENSITY, bucket_bytes=8),
     "dgc": dict(exchange_mode="allreduce", density=DENSITY, momentum=config["momentum"]),

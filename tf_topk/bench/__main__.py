@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "convergence": "tf_topk.bench.convergence",
     "scale": "tf_topk.bench.scale",
     "overhead": "tf_topk.bench.overhead",
+    "advise": "tf_topk.bench.advise",
 }
 
 

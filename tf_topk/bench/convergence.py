@@ -139,11 +139,11 @@ def make_optimizer(keras, method, density, args, steps_per_epoch):
     if method == "dense":
         return inner
     common = dict(method=args.method, min_size=args.min_size, exchange_mode=args.exchange_mode)
-    if args.agreement != "nominated":
+    if args.agreement != "nominated" or args.agreed_slots != 1:
         from tf_topk.routes import AgreedIndexRoute, FixedRouter
 
         common = dict(method=args.method, min_size=args.min_size,
-                      router=FixedRouter(AgreedIndexRoute(args.agreement)))
+                      router=FixedRouter(AgreedIndexRoute(args.agreement, args.agreed_slots)))
     # Every method but topk_mc and adaptive_mc without momentum correction,
     # which is TopKOptimizer's default for Adam and AdamW.
     common["momentum_correction"] = method in ("topk_mc", "adaptive_mc")
@@ -349,6 +349,7 @@ def run(args, log=None):
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
         **budget,
         "replicas": args.replicas, "exchange_mode": args.exchange_mode, "agreement": args.agreement,
+        "agreed_slots": args.agreed_slots,
         "densities": args.densities, "methods": ["dense", *args.methods],
         "configs": rows,
         "workers_for_bytes": args.workers,
@@ -547,6 +548,9 @@ def main(argv=None):
     parser.add_argument("--agreement", choices=("nominated", "leader"), default="nominated",
                         help="with --exchange-mode allreduce: how replicas agree on the indices "
                              "(tf_topk.routes.AgreedIndexRoute; 'leader' is ScaleCom's rule)")
+    parser.add_argument("--agreed-slots", type=int, default=1,
+                        help="with --exchange-mode allreduce: agreed indices per variable as a multiple of k "
+                             "(tf_topk.routes.AgreedIndexRoute's slots; default 1)")
     parser.add_argument("--workers", type=int, default=4,
                         help="the cluster size bytes are counted for, and the adaptive rule's cost model assumes")
     parser.add_argument("--plot", metavar="PNG", help="draw the curves to this file (needs matplotlib)")
@@ -583,6 +587,10 @@ def main(argv=None):
         parser.error(f"--workers must be >= 2 (bytes are what a worker sends to the others), got {args.workers}")
     if args.agreement != "nominated" and args.exchange_mode != "allreduce":
         parser.error(f"--agreement {args.agreement} needs --exchange-mode allreduce, got {args.exchange_mode}")
+    if args.agreed_slots != 1 and args.exchange_mode != "allreduce":
+        parser.error(f"--agreed-slots {args.agreed_slots} needs --exchange-mode allreduce, got {args.exchange_mode}")
+    if args.agreed_slots < 1:
+        parser.error(f"--agreed-slots must be >= 1, got {args.agreed_slots}")
     if args.replicas < 1 or args.batch_size % args.replicas:
         parser.error(f"--replicas must be >= 1 and divide --batch-size ({args.batch_size}), got {args.replicas}")
     if args.warmup_epochs < 0:

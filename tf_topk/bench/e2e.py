@@ -95,13 +95,13 @@ def machine_info():
             "python": platform.python_version(), "loadavg_start": [round(v, 2) for v in os.getloadavg()]}
 
 
-def configurations(densities, dgc=False, adaptive=False, exchange_modes=None):
+def configurations(densities, dgc=False, adaptive=False, exchange_modes=None, bf16=False, autopilot=False):
     """The configuration names to run: `topk:<d>` per density (`topk:<d>@<mode>`
     per density and mode when `exchange_modes` is given), and so on."""
     suffixes = [""] if not exchange_modes else [f"@{m}" for m in exchange_modes]
-    return (["dense"] + [f"topk:{d:g}{s}" for d in densities for s in suffixes]
+    return (["dense"] + (["dense_bf16"] if bf16 else []) + [f"topk:{d:g}{s}" for d in densities for s in suffixes]
             + ([f"dgc:{d:g}{s}" for d in densities for s in suffixes] if dgc else [])
-            + (["adaptive"] if adaptive else []))
+            + (["adaptive"] if adaptive else []) + (["autopilot"] if autopilot else []))
 
 
 def _per_step(workers_results, key):
@@ -123,7 +123,7 @@ def summarize(config, workers_results, duration_s):
     wire, tcp = _per_step(workers_results, "wire"), _per_step(workers_results, "tcp")
     return {
         "config": config,
-        "density": None if config in ("dense", "adaptive") else float(config.split(":", 1)[1].split("@")[0]),
+        "density": float(config.split(":", 1)[1].split("@")[0]) if ":" in config else None,
         "exchange_mode": config.split("@")[1] if "@" in config else None,
         "step_time_s": round(step_time, 5),
         "step_time_s_min": round(min(per_step), 5),
@@ -138,6 +138,8 @@ def summarize(config, workers_results, duration_s):
         "loss_first": round(first["losses"][0], 4),
         "loss_last": round(first["losses"][-1], 4),
         "ready_s": round(max(r["ready_s"] for r in workers_results), 1),
+        "exchange_mode_code": first.get("compression_stats", {}).get("exchange_mode"),  # the last step's
+        "autopilot": first.get("autopilot"),
         "duration_s": round(duration_s, 1),
     }
 
@@ -241,7 +243,8 @@ def run(args):
             _log(f"setting up namespaces {cluster.base}-*")
             cluster.setup()  # a partial set-up is removed by the teardown below
             result["qdiscs"] = cluster.describe()
-        for config in configurations(args.densities, args.dgc, args.adaptive, args.exchange_modes):
+        for config in configurations(args.densities, args.dgc, args.adaptive, args.exchange_modes, args.bf16,
+                                     args.autopilot):
             row, first = run_config(config, args, cluster, run_id, out_dir, stream)
             rows.append(row)
             result.update(params=first["params"], tf_version=first["tf_version"],
@@ -304,6 +307,10 @@ def main(argv=None):
                         help="also run dgc:<d> per density: momentum correction and sparse updates")
     parser.add_argument("--adaptive", action="store_true",
                         help="also run `adaptive`: the density chosen every step (default link model)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also run `dense_bf16`: every entry all-reduced in bfloat16, rounding error kept")
+    parser.add_argument("--autopilot", action="store_true",
+                        help="also run `autopilot`: the link measured, route and density chosen by time")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (tracing, connections)")
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")

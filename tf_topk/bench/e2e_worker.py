@@ -14,6 +14,12 @@ configuration under MultiWorkerMirroredStrategy with a custom loop:
     adaptive      TopKOptimizer(same optimizer, density="adaptive"): the density
                   chosen every step with the default link model
                   (tf_topk.schedule.AdaptiveDensity)
+    dense_bf16    TopKOptimizer(same optimizer, exchange_mode="dense_bf16"):
+                  every gradient entry all-reduced in bfloat16, the rounding
+                  error kept in the residuals (the 16-bit baseline)
+    autopilot     TopKOptimizer(same optimizer, density="autopilot"): the link
+                  measured when the optimizer is built, routes and density
+                  chosen by predicted time (tf_topk.autopilot)
 
 on generated data (a fixed random teacher labels Gaussian inputs; each worker
 has its own batches), `--warmup` steps, then `--steps` timed steps, each
@@ -121,15 +127,18 @@ def make_batches(np, shape, classes, batch_size, seed, index, count=4):
 def parse_config(text):
     """(kind, density, exchange mode or None for the library's default):
     'dense' -> (None, None, None); 'topk:0.001' -> ('topk', 0.001, None);
-    'dgc:0.001@allreduce' -> ('dgc', 0.001, 'allreduce'); 'adaptive' -> ('adaptive', 'adaptive', None)."""
+    'dgc:0.001@allreduce' -> ('dgc', 0.001, 'allreduce'); 'adaptive' -> ('adaptive', 'adaptive', None);
+    'autopilot' -> ('autopilot', 'autopilot', None); 'dense_bf16' -> ('dense_bf16', 1.0, 'dense_bf16')."""
     if text == "dense":
         return None, None, None
-    if text == "adaptive":
-        return "adaptive", "adaptive", None
+    if text in ("adaptive", "autopilot"):
+        return text, text, None
+    if text == "dense_bf16":
+        return "dense_bf16", 1.0, "dense_bf16"
     m = re.match(r"^(topk|dgc):(\d*\.?\d+(?:e-?\d+)?)(?:@(\w+))?$", text)
     if not m or not 0 < float(m.group(2)) <= 1:  # the mode is checked by TopKOptimizer (no TF here yet)
-        raise ValueError(f"config must be 'dense', 'topk:<density in (0, 1]>', 'dgc:<density>' or 'adaptive', "
-                         f"optionally with '@<exchange mode>', got {text!r}")
+        raise ValueError(f"config must be 'dense', 'dense_bf16', 'topk:<density in (0, 1]>', 'dgc:<density>', "
+                         f"'adaptive' or 'autopilot', optionally with '@<exchange mode>', got {text!r}")
     return m.group(1), float(m.group(2)), m.group(3)
 
 
@@ -180,13 +189,17 @@ def build_training(keras, tf_topk, strategy, args, kind, density, exchange_mode=
         inner = keras.optimizers.SGD(args.learning_rate, momentum=0.9)
         if kind is None:
             optimizer = inner
-        elif kind == "adaptive":
-            optimizer = tf_topk.TopKOptimizer(inner, density="adaptive", method=args.method)
+        elif kind in ("adaptive", "autopilot"):
+            optimizer = tf_topk.TopKOptimizer(inner, density=kind, method=args.method)
+        elif kind == "dense_bf16":
+            optimizer = tf_topk.TopKOptimizer(inner, exchange_mode="dense_bf16", method=args.method)
         else:
             dgc = kind == "dgc"
             mode = {} if exchange_mode is None else {"exchange_mode": exchange_mode}
             optimizer = tf_topk.TopKOptimizer(inner, density=density, method=args.method, momentum_correction=dgc,
                                               sparse_updates=dgc, **mode)
+        if kind is not None:  # built here, eagerly, so the autopilot can measure the cluster
+            optimizer.build(model.trainable_variables)
     return model, optimizer, shape, classes
 
 
@@ -256,6 +269,20 @@ def estimate_bytes(tf_topk, optimizer, density, params, replicas):
             "compression_stats": stats}
 
 
+def autopilot_facts(optimizer):
+    """What the autopilot measured and predicted (None for other configurations)."""
+    plan = getattr(getattr(optimizer, "exchange", None), "autopilot_plan", None)
+    if plan is None:
+        return None
+    import dataclasses
+
+    calibration = plan.calibration
+    return {"line": plan.describe(), "model": dataclasses.asdict(plan.model),
+            "calibration_s": None if calibration is None else calibration.seconds,
+            "dense_allreduce_s": None if calibration is None else calibration.dense_s,
+            "dense_allreduce_predicted_s": None if calibration is None else calibration.dense_predicted_s}
+
+
 def write_result(out, index, result):
     """result_<index>.json in `out`, written whole (through a rename): the benchmark reads it once it appears."""
     path = os.path.join(out, f"result_{index}.json")
@@ -301,6 +328,7 @@ def main(argv=None):
         "replicas": replicas, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
         **measured,
         **estimate_bytes(tf_topk, optimizer, density, params, replicas),
+        "autopilot": autopilot_facts(optimizer),
         "tf_version": tf.__version__, "keras_version": keras.__version__,
     }
     write_result(args.out, index, result)

@@ -79,6 +79,10 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
       density: fraction of each large variable's entries sent per step: a float
         in (0, 1], a list of (step, density) pairs (warm-up) or a callable
         step -> density. Steps are the inner optimizer's iterations.
+        "adaptive": chosen every step for a typed-in link; "autopilot": the
+        cluster measured when the optimizer is built, every entry sent where
+        no density would be faster, else routes and density chosen by
+        predicted time (`tf_topk.autopilot`).
       method: "gaussian" (default) or "exact", see `tf_topk.approx_topk`.
       min_size: variables with fewer entries (biases, normalisation) take the
         ordinary dense all-reduce, all in one packed call.
@@ -109,7 +113,9 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
       exchange_mode: "auto" (default: per bucket, whichever of all_gather,
         agreed indices and dense sends the fewest bytes), "allgather" or
         "allreduce" (agreed indices, bytes per worker that do not grow with
-        the number of workers), as in `tf_topk.SparseExchange`.
+        the number of workers), or "dense_bf16" (every entry in bfloat16,
+        the rounding error kept in the residuals), as in
+        `tf_topk.SparseExchange`.
       sparse_updates: update each sparsified variable only at the entries
         sent (`variable -= lr * pairs`, O(pairs) instead of a dense gradient
         and an update of every entry). For an inner SGD without momentum

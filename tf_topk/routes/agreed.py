@@ -37,15 +37,24 @@ class AgreedIndexRoute(Route):
         all_gather, and lost 2.3 points of accuracy on the synthetic task
         (benchmarks/RESULTS.md).
       "leader": ScaleCom's rule, the leader's top-k for everyone.
+    slots: agreed indices per variable as a multiple of its k (an int >= 1).
+      Agreed indices update at most `slots` * k distinct entries a step where
+      all_gather updates up to P * k; more slots send more of each replica's
+      accumulated energy for 16 * slots * k * (P-1)/P bytes per worker, still
+      flat in P (benchmarks/RESULTS.md, "Remedy 3").
     """
 
     name, code = "allreduce", 2.0
     AGREEMENTS = ("nominated", "leader")
 
-    def __init__(self, agreement="nominated"):
+    def __init__(self, agreement="nominated", slots=1):
         if agreement not in self.AGREEMENTS:
             raise ValueError(f"agreement must be one of {self.AGREEMENTS}, got {agreement!r}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots must be an int >= 1 (agreed indices per variable, as a multiple of k), "
+                             f"got {slots!r}")
         self.agreement = agreement
+        self.slots = slots
 
     @property
     def uses_leader(self):
@@ -57,8 +66,16 @@ class AgreedIndexRoute(Route):
         return [taken_out(s, s.remaining, values, indices) for s, (values, indices) in zip(everything, taken)]
 
     def _local(self, accumulated, bucket, selector):
-        """This replica's candidates: (values, indices) per member."""
-        return [tuple(selector.select(a, k)) for a, k in zip(accumulated, bucket.ks)]
+        """This replica's candidates: (values, indices) per member, `slots` * k of them."""
+        return [tuple(selector.select(a, self.slot_count(k, a))) for a, k in zip(accumulated, bucket.ks)]
+
+    def slot_count(self, k, accumulated):
+        """The agreed slots of a variable with `k` (int or int32 tensor) pairs."""
+        if self.slots == 1:
+            return k
+        if isinstance(k, int):
+            return min(self.slots * k, int(accumulated.shape[0]))
+        return tf.minimum(self.slots * k, tf.size(accumulated, out_type=k.dtype))
 
     def _agreement(self, context, candidates, valid, leader, bucket):
         """The agreed indices on every replica, and where they are real."""
@@ -96,7 +113,15 @@ class AgreedIndexRoute(Route):
         return split_dense(bucket, dense), summed_carry
 
     def bytes(self, pairs, entries, replicas):
+        """`pairs`: the slots sent (`slots` * k)."""
         return 2.0 * ring_all_reduce_bytes(4.0 * pairs, replicas)
+
+    def bytes_for_k(self, k, entries, replicas):
+        """Bytes a worker sends for a bucket whose variables select `k` pairs."""
+        return self.bytes(self.slots * k, entries, replicas)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(agreement={self.agreement!r}, slots={self.slots})"
 
 
 class AgreedOrDenseRoute(AgreedIndexRoute):
@@ -106,8 +131,8 @@ class AgreedOrDenseRoute(AgreedIndexRoute):
     Dense steps send every entry through the same value all-reduce (no index
     travels), so nothing is lost either way."""
 
-    def __init__(self, dense_when, agreement="nominated"):
-        super().__init__(agreement)
+    def __init__(self, dense_when, agreement="nominated", slots=1):
+        super().__init__(agreement, slots)
         self.dense_when = dense_when
 
     @property
@@ -116,7 +141,7 @@ class AgreedOrDenseRoute(AgreedIndexRoute):
 
     def _local(self, accumulated, bucket, selector):
         return [tf.cond(self.dense_when, lambda a=a: (a, tf.range(tf.size(a, out_type=tf.int32))),
-                        lambda a=a, k=k: tuple(selector.select(a, k)))
+                        lambda a=a, k=k: tuple(selector.select(a, self.slot_count(k, a))))
                 for a, k in zip(accumulated, bucket.ks)]
 
     def _candidates(self, local, bucket, context):
@@ -135,7 +160,8 @@ class AgreedOrDenseRoute(AgreedIndexRoute):
                         super().bytes(pairs, entries, replicas))
 
     def __repr__(self):
-        return f"AgreedOrDenseRoute(dense_when={self.dense_when!r}, agreement={self.agreement!r})"
+        return (f"AgreedOrDenseRoute(dense_when={self.dense_when!r}, agreement={self.agreement!r}, "
+                f"slots={self.slots})")
 
 
 def agree_indices(context, indices, valid, leader):

@@ -91,6 +91,11 @@ class Route(abc.ABC):
     def bytes(self, pairs, entries, replicas):
         """Bytes a worker sends for a bucket of `entries` with `pairs` pairs."""
 
+    def bytes_for_k(self, k, entries, replicas):
+        """Bytes a worker sends for a bucket whose variables select `k` pairs
+        (a route may send more pairs than it selects: agreed slots)."""
+        return self.bytes(k, entries, replicas)
+
     def carry_bytes(self, entries, replicas):
         """Bytes a worker sends for `entries` float32 entries carried in `send`."""
         return ring_all_reduce_bytes(4.0 * entries, replicas)

@@ -7,10 +7,10 @@ import tensorflow as tf
 from tf_topk.routes.agreed import AgreedIndexRoute, AgreedOrDenseRoute
 from tf_topk.routes.allgather import AllGatherRoute
 from tf_topk.routes.base import ring_all_reduce_bytes
-from tf_topk.routes.dense import DenseRoute
+from tf_topk.routes.dense import Bfloat16DenseRoute, DenseRoute
 
-ROUTES = {route.name: route for route in (DenseRoute(), AllGatherRoute(), AgreedIndexRoute())}
-MODES = tuple(ROUTES)  # ("dense", "allgather", "allreduce")
+ROUTES = {route.name: route for route in (DenseRoute(), AllGatherRoute(), AgreedIndexRoute(), Bfloat16DenseRoute())}
+MODES = tuple(ROUTES)  # ("dense", "allgather", "allreduce", "dense_bf16")
 MODE_CODES = {name: route.code for name, route in ROUTES.items()}  # the "exchange_mode" statistic
 
 # What one more collective per step is worth in bytes: its latency (rounds of
@@ -112,15 +112,17 @@ class Router(abc.ABC):
 
 
 class FixedRouter(Router):
-    """Every bucket the same route (one replica: all_gather, which then
-    makes no collective and selects as any route would)."""
+    """Every bucket the same route (one replica: a sparse route becomes
+    all_gather, which then makes no collective and selects as any sparse
+    route would)."""
 
     def __init__(self, route):
         self._route = route
         self.uses_leader = route.uses_leader
 
     def route(self, bucket, replicas):
-        return ROUTES["allgather"] if replicas == 1 else self._route
+        sparse = self._route.name in ("allgather", "allreduce")
+        return ROUTES["allgather"] if replicas == 1 and sparse else self._route
 
     def __repr__(self):
         return f"FixedRouter({self._route!r})"
@@ -151,6 +153,59 @@ class AutoRouter(Router):
 
     def __repr__(self):
         return "AutoRouter()"
+
+
+class TimedRouter(Router):
+    """Per bucket, the route a `tf_topk.cost.CostModel` predicts fastest
+    (`CostModel.choose`: dense, dense_bf16, all_gather or agreed indices,
+    all_gather kept unless agreed indices are clearly faster), from measured
+    seconds (`tf_topk.calibrate`) instead of bytes. Decided when traced;
+    with a k tensor (scheduled or adaptive density), the sparse route
+    fastest at the largest k, switched to dense per step where agreed
+    indices would be slower (`AgreedOrDenseRoute`).
+
+    >>> model = tf_topk.calibrate.calibrate(strategy, entries=n).model
+    >>> exchange = tf_topk.SparseExchange(variables, density=0.01, router=TimedRouter(model))
+    """
+
+    uses_leader = False
+    can_go_dense = True
+
+    def __init__(self, cost_model):
+        from tf_topk.cost import CostModel
+
+        if not isinstance(cost_model, CostModel):
+            raise TypeError(f"cost_model must be a tf_topk.cost.CostModel, got {type(cost_model).__name__}")
+        self.cost_model = cost_model
+
+    def route(self, bucket, replicas):
+        if replicas == 1:
+            return ROUTES["allgather"]
+        model = self._model(replicas)
+        if all(isinstance(k, int) for k in bucket.ks):
+            return ROUTES[model.choose(bucket.size, sum(bucket.ks))]
+        sparse = model.choose(bucket.size, bucket.max_pairs, ("allgather", "allreduce"))
+        dense_s = model.route_time("dense", 0, bucket.size)
+        if model.route_time(sparse, bucket.max_pairs, bucket.size) <= dense_s:
+            return ROUTES[sparse]
+        pairs = tf.add_n([tf.cast(k, tf.float32) for k in bucket.ks])
+        return AgreedOrDenseRoute(model.route_time("allreduce", pairs, bucket.size) > dense_s)
+
+    def sparse_route(self, bucket, replicas):
+        route = self.route(bucket, replicas)
+        return route if route.name in ("allgather", "allreduce") and not isinstance(route, AgreedOrDenseRoute) \
+            else AgreedIndexRoute()
+
+    def _model(self, replicas):
+        """The cost model at `replicas` (the calibrated one, or its links at another count)."""
+        if replicas == self.cost_model.replicas:
+            return self.cost_model
+        import dataclasses
+
+        return dataclasses.replace(self.cost_model, replicas=replicas)
+
+    def __repr__(self):
+        return f"TimedRouter({self.cost_model!r})"
 
 
 def router_for(exchange_mode):

@@ -1,0 +1,165 @@
+"""The autopilot (density="autopilot"): what `advise` predicts against the cost
+model, the `advise` command, the plan in eager and traced code, and a fit on
+two replicas whose fast local link takes the dense route, saved and loaded in
+a new process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+from tf_topk.autopilot import advise
+from tf_topk.cost import CostModel, LinkModel
+
+WIDE = 12_609_546  # the e2e benchmark's wide model
+
+
+def _run(argv, timeout=120):
+    env = {**os.environ, **worker_env()}
+    env.pop("TF_CONFIG", None)
+    return subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("link, workers", [("100mbit", 8), ("1gbit", 4), ("10gbit", 4), ("100gbit", 2)])
+def test_advice_is_the_cost_model_and_never_slower_than_dense(link, workers):
+    model = CostModel.from_link(workers, link)
+    advice = advise(model, WIDE, densities=(0.1, 0.01, 0.001))
+    rows = {row["config"]: row for row in advice["rows"]}
+    dense = rows["dense"]["seconds"]
+    assert dense == pytest.approx(model.all_reduce.time(2 * (workers - 1) / workers * 4 * WIDE))
+    assert rows["dense_bf16"]["bytes"] == pytest.approx(rows["dense"]["bytes"] / 2)
+    for density, route in advice["choices"].items():
+        k = rows[f"topk:{density:g}@allgather"]["k"]
+        assert route == model.choose(WIDE, k)
+        assert model.route_time(route, k, WIDE) <= dense
+    # Rounding 12.6M entries (12.6 ms) against the time half the bytes save: at 100 Gbit/s and 2 workers, 2 ms.
+    assert advice["dense_end"] == ("dense" if link == "100gbit" else "dense_bf16")
+
+
+def test_a_fast_link_advises_dense_for_a_small_model():
+    model = CostModel.from_link(4, LinkModel(2e-5, 1 / 50e9), rounding_s_per_entry=1e-9)
+    advice = advise(model, 20_000, densities=(0.01,))
+    assert advice["choices"][0.01] == "dense" and advice["dense_end"] == "dense"
+
+
+def test_advise_command_describes_a_cluster(tmp_path):
+    proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", str(WIDE), "--workers", "8",
+                 "--link", "100mbit", "--densities", "0.01,0.001", "--json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["source"] == "described: 8 workers, 100mbit, 0.5 ms per collective"
+    rows = {row["config"]: row for row in out["rows"]}
+    # all_gather sends (P-1) * 8k, agreed indices two ring all-reduces of 4k: 7.06 MB and 1.77 MB at k = 126,096.
+    assert rows["topk:0.01@allgather"]["bytes"] == 7 * 8 * 126_096
+    assert rows["topk:0.01@allreduce"]["bytes"] == pytest.approx(2 * 2 * 7 / 8 * 4 * 126_096)
+    assert out["choices"] == {"0.01": "allreduce", "0.001": "allreduce"}
+    proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "1000", "--link", "fast"])
+    assert proc.returncode == 2 and "--link: bandwidth must look like 100mbit" in proc.stderr
+    proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "0"])
+    assert proc.returncode == 2 and "--params must be >= 1, got 0" in proc.stderr
+
+
+def test_advise_command_calibrates_this_machine():
+    proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "500000", "--workers", "2",
+                 "--calibrate", "--budget", "1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("calibration (") and "2 workers" in proc.stdout.splitlines()[0]
+    assert "autopilot's route: density 0.1 -> " in proc.stdout
+
+
+def test_plan_measures_when_eager_and_assumes_when_traced(capsys):
+    import tensorflow as tf
+
+    from tf_topk.autopilot import ASSUMED_LINK, plan
+    from tf_topk.routes import ROUTES, FixedRouter
+
+    eager = plan(100_000)
+    assert eager.calibration is not None and eager.model.replicas == 1
+    assert eager.model.selection_s_per_entry > 0
+    # One replica: nothing travels, so every entry is applied as it is, with no selection spent.
+    assert eager.dense_route() == "dense" and eager.density() == 1.0
+    assert isinstance(eager.router(), FixedRouter) and eager.router().route(None, 1) is ROUTES["dense"]
+    traced = []
+    tf.function(lambda: traced.append(plan(100_000)) or tf.constant(0))()
+    assert traced[0].calibration is None
+    assert traced[0].model == CostModel.from_link(1, ASSUMED_LINK)
+    err = capsys.readouterr().err
+    assert "tf_topk autopilot: calibration (" in err and "every entry, dense" in err and "nothing measured" in err
+
+
+def test_plan_goes_dense_only_where_no_density_would_be_faster():
+    from tf_topk.autopilot import Plan
+    from tf_topk.routes import TimedRouter
+    from tf_topk.schedule import AdaptiveDensity
+
+    slow = Plan(CostModel.from_link(4, "100mbit"), None, WIDE)
+    assert slow.dense_route() is None and isinstance(slow.router(), TimedRouter)
+    density = slow.density()
+    assert isinstance(density, AdaptiveDensity)
+    assert (density.bandwidth_bytes_per_s, density.latency_s) == (pytest.approx(1.25e7), 5e-4)
+    # 200,000 entries on 400 Gbit/s with 20 us per collective: dense takes 36 us, the sparsest step's
+    # selection alone 240 us.
+    fast = Plan(CostModel.from_link(4, LinkModel(2e-5, 1 / 50e9), rounding_s_per_entry=1e-9), None, 200_000)
+    assert fast.dense_route() == "dense" and fast.density() == 1.0
+    # The same model on 1 Gbit/s: bfloat16 halves 1.2 MB (4.8 ms) for 0.2 ms of rounding; top-k at
+    # density 1e-4 costs 0.24 ms of selection and 0.5 ms of latency, faster still.
+    assert Plan(CostModel.from_link(4, "1gbit"), None, 200_000).dense_route() is None
+
+
+def test_autopilot_is_a_density_that_saves_as_itself():
+    import keras
+
+    import tf_topk
+
+    config = tf_topk.ExchangeConfig(density="autopilot")
+    assert config.get_config()["density"] == "autopilot"
+    assert tf_topk.ExchangeConfig.from_config(config.get_config()).schedule.autopilot
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density="autopilot")
+    assert type(optimizer).from_config(optimizer.get_config()).density == "autopilot"
+    with pytest.raises(ValueError, match="'adaptive', 'autopilot' or a tf_topk.schedule.AdaptiveDensity, got 'auto'"):
+        tf_topk.ExchangeConfig(density="auto")
+
+
+def test_fit_on_a_fast_local_link_goes_dense_and_the_model_loads_in_a_new_process(tmp_path):
+    proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_fit.py"), str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "tf_topk autopilot: calibration (" in proc.stderr
+    with open(tmp_path / "fit.json") as f:
+        fit = json.load(f)
+    assert fit["measured"] and fit["model"]["replicas"] == 2 and fit["density_config"] == "autopilot"
+    # Two logical CPUs of one process: a link of memory copies, where every entry (dense, or bfloat16 with
+    # the rounding error kept) costs less than the selection of even the sparsest step.
+    assert fit["router"] == "FixedRouter" and "every entry, dense" in proc.stderr
+    assert fit["stats"]["exchange_mode"] in (0.0, 3.0) and fit["stats"]["density"] > 0.5
+    assert fit["loss"][-1] < fit["loss"][0]
+    load = _run([sys.executable, "-c", "import sys, tf_topk, keras; m = keras.models.load_model(sys.argv[1]); "
+                 "print(type(m.optimizer).__name__, m.optimizer.density)", str(tmp_path / "model.keras")])
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert load.stdout.split() == ["TopKOptimizer", "autopilot"]
+
+
+def test_timed_router_takes_the_predicted_fastest_route_per_bucket():
+    import tensorflow as tf
+
+    from tf_topk.routes import ROUTES, AgreedOrDenseRoute, Bucket, TimedRouter
+
+    def bucket(ks, size, max_pairs):
+        return Bucket(positions=[0], slots=[0], sizes=[size], offsets=[0], size=size, ks=ks, shapes=[(size,)],
+                      dtypes=[tf.float32], max_pairs=max_pairs)
+
+    slow = TimedRouter(CostModel.from_link(8, "100mbit"))
+    assert slow.route(bucket([126_096], WIDE, 126_096), 8) is ROUTES["allreduce"]
+    assert slow.route(bucket([1_261], WIDE, 1_261), 8) is ROUTES["allgather"]
+    assert slow.route(bucket([1_261], WIDE, 1_261), 1) is ROUTES["allgather"]  # one replica: select only
+    fast = TimedRouter(CostModel.from_link(4, LinkModel(2e-5, 1 / 50e9), rounding_s_per_entry=1e-9))
+    assert fast.route(bucket([200], 20_000, 200), 4) is ROUTES["dense"]
+    # A k tensor that can reach the dense side: agreed indices, or dense at run time where they are slower.
+    switch = slow.route(bucket([tf.constant(10_000_000)], WIDE, WIDE), 8)
+    assert isinstance(switch, AgreedOrDenseRoute) and bool(switch.dense_when)
+    switch = slow.route(bucket([tf.constant(1_000)], WIDE, WIDE), 8)
+    assert isinstance(switch, AgreedOrDenseRoute) and not bool(switch.dense_when)
+    with pytest.raises(TypeError, match="cost_model must be a tf_topk.cost.CostModel, got str"):
+        TimedRouter("1gbit")

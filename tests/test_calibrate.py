@@ -1,0 +1,120 @@
+"""The time model (tf_topk.cost) against hand-computed cases, and the calibration
+(tf_topk.calibrate) under MirroredStrategy and across two real workers."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
+from tf_topk.cost import AGREED_SPEEDUP, CostModel, LinkModel, ring_bytes
+
+
+def test_link_model_is_hockneys_line():
+    link = LinkModel.from_rate("100mbit", latency_s=1e-3)
+    assert link.seconds_per_byte == pytest.approx(8 / 100e6)
+    assert link.time(1_250_000) == pytest.approx(1e-3 + 0.1)
+    assert LinkModel.from_rate(2e9).seconds_per_byte == pytest.approx(5e-10)
+    # The least-squares line through exact points is that line; a negative slope or intercept is clipped.
+    fitted = LinkModel.fit([(0, 0.002), (1e6, 0.012), (4e6, 0.042)])
+    assert (fitted.latency_s, fitted.seconds_per_byte) == (pytest.approx(0.002), pytest.approx(1e-8))
+    assert LinkModel.fit([(1e3, 0.005), (1e6, 0.001)]).seconds_per_byte == 0.0
+    assert LinkModel.fit([(1e3, 0.0), (2e3, 0.01)]).latency_s == 0.0
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: LinkModel.from_rate("none"), "rate must be a finite link rate such as 1gbit, got 'none'"),
+    (lambda: LinkModel.from_rate("fast"), "bandwidth must look like 100mbit"),
+    (lambda: LinkModel.from_rate(0), "rate must be > 0, got 0"),
+    (lambda: LinkModel(-1.0, 0.0), "latency_s must be a finite number >= 0, got -1.0"),
+    (lambda: LinkModel(0.0, float("nan")), "seconds_per_byte must be a finite number >= 0, got nan"),
+    (lambda: LinkModel.fit([(1.0, 0.1), (1.0, 0.2)]), "at least two different sizes"),
+    (lambda: CostModel(0, LinkModel(0, 0), LinkModel(0, 0)), "replicas must be an int >= 1, got 0"),
+    (lambda: CostModel.from_link(4, "1gbit").bytes("ring", 1, 10), "route must be one of"),
+])
+def test_bad_input_names_the_argument(bad, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        bad()
+
+
+def test_route_times_follow_the_volume_formulas():
+    link = LinkModel(5e-4, 8e-9)  # 0.5 ms, 1 Gbit/s
+    model = CostModel(8, link, LinkModel(1e-3, 1e-8), selection_s_per_entry=2e-9, rounding_s_per_entry=1e-9)
+    n, k = 1_000_000, 10_000
+    assert model.route_time("dense", k, n) == pytest.approx(5e-4 + 8e-9 * 2 * 7 / 8 * 4 * n)
+    assert model.route_time("dense_bf16", k, n) == pytest.approx(1e-9 * n + 5e-4 + 8e-9 * 2 * 7 / 8 * 2 * n)
+    assert model.route_time("allgather", k, n) == pytest.approx(2e-9 * n + 1e-3 + 1e-8 * 7 * 8 * k)
+    # Agreed indices: two all-reduces (indices, then values) of 4k bytes each.
+    assert model.route_time("allreduce", k, n) == pytest.approx(2e-9 * n + 2 * (5e-4 + 8e-9 * ring_bytes(4 * k, 8)))
+    one = CostModel(1, link, link, selection_s_per_entry=2e-9)
+    assert one.times(n, k) == {"dense": 0.0, "dense_bf16": 0.0, "allgather": 2e-9 * n, "allreduce": 2e-9 * n}
+    assert one.choose(n, k) == "dense"  # nothing travels: selecting only costs
+
+
+def test_fast_link_and_small_model_go_dense_slow_link_goes_sparse():
+    n, k = 100_000, 100  # a small model at density 0.001
+    # 400 Gbit/s, 50 us: bfloat16 would save 6 us of bytes and spend 100 us rounding.
+    fast = CostModel.from_link(4, LinkModel(5e-5, 1 / 50e9), selection_s_per_entry=1.2e-9, rounding_s_per_entry=1e-9)
+    assert fast.choose(n, k) == "dense"
+    # 100 Mbit/s: the dense all-reduce takes 6 ms more than all_gather's 2.4 KB.
+    slow = CostModel.from_link(4, "100mbit", selection_s_per_entry=1.2e-9)
+    assert slow.choose(n, k) == "allgather"
+    # Only bf16 and dense allowed, on the slow link: half the bytes wins.
+    assert slow.choose(n, k, routes=("dense", "dense_bf16")) == "dense_bf16"
+
+
+def test_agreed_indices_must_be_clearly_faster_than_all_gather():
+    n = 12_609_546
+    model = CostModel.from_link(8, "100mbit", selection_s_per_entry=1.2e-9)
+    # Density 0.01 at 8 workers: all_gather 7 MB against agreed indices 1.8 MB: agreed.
+    k = 126_096
+    times = model.times(n, k)
+    assert times["allgather"] > AGREED_SPEEDUP * times["allreduce"]
+    assert model.choose(n, k) == "allreduce"
+    # Density 0.0001: all_gather is within AGREED_SPEEDUP of agreed indices, so it keeps the bucket.
+    k = 1_261
+    times = model.times(n, k)
+    assert times["allreduce"] < times["allgather"] <= AGREED_SPEEDUP * times["allreduce"]
+    assert model.choose(n, k) == "allgather"
+
+
+def _read(out, index):
+    with open(out / f"calibration{index}.json") as f:
+        return json.load(f)
+
+
+def _check_found(found, replicas):
+    model = found["model"]
+    assert model["replicas"] == replicas
+    assert model["selection_s_per_entry"] > 0
+    for kind in ("all_reduce", "all_gather"):
+        sizes = [num_bytes for num_bytes, _ in found["points"][kind]]
+        assert len(sizes) >= 2 and sizes == sorted(sizes), found["points"]
+        assert all(seconds > 0 for _, seconds in found["points"][kind])
+        assert model[kind]["latency_s"] + model[kind]["seconds_per_byte"] > 0  # a collective costs something
+    assert found["dense_predicted_s"] > 0
+    assert found["line"].startswith("calibration (") and f"{replicas} workers" in found["line"]
+
+
+def test_calibration_under_mirrored_strategy(tmp_path):
+    env = {**os.environ, **worker_env()}
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "calibrate_worker.py"), str(tmp_path), "local:2"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_found(_read(tmp_path, 0), 2)
+
+
+def test_two_workers_agree_on_the_slowest_numbers(tmp_path):
+    assert_ok(run_script("calibrate_worker.py", str(tmp_path), "workers"))
+    first, second = _read(tmp_path, 0), _read(tmp_path, 1)
+    _check_found(first, 2)
+    # Each worker timed its own calls, yet both hold the same model: the larger of each number.
+    assert first["model"] == second["model"]
+    for kind in ("all_reduce", "all_gather"):
+        assert [b for b, _ in first["points"][kind]] == [b for b, _ in second["points"][kind]]
+    mine = [LinkModel.fit(found["points"]["all_reduce"]) for found in (first, second)]
+    assert first["model"]["all_reduce"]["latency_s"] == pytest.approx(max(m.latency_s for m in mine))
+    assert first["model"]["all_reduce"]["seconds_per_byte"] == pytest.approx(max(m.seconds_per_byte for m in mine))

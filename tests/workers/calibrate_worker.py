@@ -1,0 +1,32 @@
+"""Calibrate under a strategy and write what was found: `calibrate_worker.py OUT_DIR workers|local:N`.
+
+workers: MultiWorkerMirroredStrategy from TF_CONFIG (one replica per worker);
+local:N: MirroredStrategy over N logical CPUs of this process.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+
+import tensorflow as tf
+
+out_dir, where = sys.argv[1], sys.argv[2]
+if where == "workers":
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+else:
+    replicas = int(where.split(":")[1])
+    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                               [tf.config.LogicalDeviceConfiguration()] * replicas)
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    task = 0
+
+import tf_topk.calibrate  # noqa: E402
+
+found = tf_topk.calibrate.calibrate(strategy, entries=300_000, budget_s=1.5)
+print(found.describe())
+with open(os.path.join(out_dir, f"calibration{task}.json"), "w") as f:
+    json.dump({"model": dataclasses.asdict(found.model), "points": found.points, "dense_s": found.dense_s,
+               "dense_predicted_s": found.dense_predicted_s, "seconds": found.seconds,
+               "line": found.describe()}, f)

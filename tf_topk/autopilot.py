@@ -1,0 +1,155 @@
+"""The autopilot: measure the cluster once, then choose routes and densities by predicted time.
+
+`SparseExchange(variables, density="autopilot")` (and `TopKOptimizer(inner,
+density="autopilot")`) calls `plan` when it is made: it calibrates the
+collectives and the selection under the strategy in use
+(`tf_topk.calibrate`), prints one line of what it found, and gives the
+exchange its parts. Where sending every entry (dense, or bfloat16 when
+that is faster) is predicted to beat even the sparsest step of the adaptive
+range, every step goes that way: no selection is spent (a fast link with a
+small model; the residuals stay empty). Otherwise a `TimedRouter` (per
+bucket: dense, 16-bit dense, all_gather or agreed indices, whichever is
+predicted fastest) and an `AdaptiveDensity` whose link is the measured one
+(Khirirat et al.'s most improvement per unit of cost, in the measured
+seconds): a slow link sends little.
+
+Calibration needs eager execution in the cross-replica context (an
+exchange made under `strategy.scope()`, or `optimizer.build(variables)`
+before the training loop; `model.fit` builds so). An exchange made inside a
+traced function cannot time anything: it then uses the typed-in link of
+`tf_topk.cost` (1 Gbit/s, 0.5 ms) and says so.
+
+`advise(model, entries)` predicts, without training, what dense, the 16-bit
+dense all-reduce and each route at each density would cost per step, and
+what the autopilot would choose (`python -m tf_topk.bench advise`).
+"""
+
+import dataclasses
+import math
+import sys
+
+from tf_topk.cost import CostModel
+
+# The link assumed when nothing can be measured (an exchange made in a traced function).
+ASSUMED_LINK = "1gbit"
+# Largest bandwidth the adaptive density is told (a measured slope of 0: unlimited).
+MAX_BANDWIDTH_BYTES_PER_S = 1e12
+# Densities `advise` tabulates.
+ADVISE_DENSITIES = (0.1, 0.01, 0.001, 0.0001)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the autopilot decided for an exchange of `entries` sparsifiable
+    entries: the cost model, the calibration behind it (None when assumed),
+    and the parts it makes."""
+
+    model: CostModel
+    calibration: object
+    entries: int
+
+    def dense_route(self):
+        """"dense" or "dense_bf16" where no density of the adaptive range would
+        be faster than sending every entry (the faster of the two; one
+        replica: dense, nothing travels), else None."""
+        from tf_topk.schedule import AdaptiveDensity
+
+        entries = max(1, self.entries)
+        fewest = max(1, math.ceil(AdaptiveDensity().min_density * entries))  # the sparse end's fastest step
+        sparse = min(self.model.route_time(route, fewest, entries) for route in ("allgather", "allreduce"))
+        dense = self.model.choose(entries, 0, ("dense", "dense_bf16"))
+        return dense if self.model.route_time(dense, 0, entries) <= sparse else None
+
+    def router(self):
+        """A TimedRouter over the model, or a FixedRouter of `dense_route()` where that holds."""
+        from tf_topk.routes import ROUTES, FixedRouter, TimedRouter
+
+        dense = self.dense_route()
+        return FixedRouter(ROUTES[dense]) if dense else TimedRouter(self.model)
+
+    def density(self):
+        """An AdaptiveDensity over the measured link (all-reduce latency and
+        bandwidth, selection time), or 1.0 where `dense_route()` holds."""
+        from tf_topk.schedule import AdaptiveDensity
+
+        if self.dense_route():
+            return 1.0
+        link = self.model.all_reduce
+        bandwidth = MAX_BANDWIDTH_BYTES_PER_S if link.seconds_per_byte == 0 else \
+            min(1.0 / link.seconds_per_byte, MAX_BANDWIDTH_BYTES_PER_S)
+        return AdaptiveDensity(latency_s=link.latency_s, bandwidth_bytes_per_s=bandwidth,
+                               selection_s_per_entry=self.model.selection_s_per_entry)
+
+    def describe(self):
+        dense = self.dense_route()
+        choice = f"; every entry, {dense}" if dense else "; routes by time, adaptive density"
+        if self.calibration is not None:
+            return f"tf_topk autopilot: {self.calibration.describe()}{choice}"
+        return (f"tf_topk autopilot: nothing measured (the exchange was made in a traced function or a replica "
+                f"context; build the optimizer under strategy.scope() before training to measure), assuming "
+                f"{self.model.describe()}{choice}")
+
+
+def plan(entries, strategy=None, budget_s=2.0, log=True):
+    """The autopilot's Plan for an exchange of `entries` sparsifiable entries
+    under `strategy` (default: the current one)."""
+    import tensorflow as tf
+
+    from tf_topk.calibrate import calibrate
+
+    strategy = strategy or tf.distribute.get_strategy()
+    outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
+    if tf.executing_eagerly() and outside_replicas:
+        found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s)
+        result = Plan(found.model, found, entries)
+    else:
+        result = Plan(CostModel.from_link(strategy.num_replicas_in_sync, ASSUMED_LINK), None, entries)
+    if log:
+        print(result.describe(), file=sys.stderr, flush=True)
+    return result
+
+
+def advise(model, entries, densities=ADVISE_DENSITIES):
+    """Predicted seconds per step of exchanging `entries` entries by every
+    route at every density, and what the autopilot's router would take.
+
+    Returns {"rows": [{"config", "route", "density", "k", "bytes",
+    "seconds"}, ...] (dense and dense_bf16 once, then all_gather and agreed
+    indices per density), "choices": {density: route} (`CostModel.choose`
+    with every route open: a density whose sparse routes are slower than a
+    dense one goes dense), "dense_end": the faster of dense and dense_bf16}.
+    Which density the autopilot runs at depends on the gradients (its
+    adaptive density); every choice here is at most as slow as dense.
+
+    >>> advice = advise(CostModel.from_link(8, "100mbit"), 12_609_546)
+    >>> advice["dense_end"], advice["choices"][0.01], advice["choices"][0.0001]
+    ('dense_bf16', 'allreduce', 'allgather')
+    """
+    rows = [_row(model, route, None, 0, entries) for route in ("dense", "dense_bf16")]
+    choices = {}
+    for density in densities:
+        k = max(1, min(entries, math.ceil(density * entries)))
+        rows += [_row(model, route, density, k, entries) for route in ("allgather", "allreduce")]
+        choices[density] = model.choose(entries, k)
+    return {"rows": rows, "choices": choices, "dense_end": model.choose(entries, 0, ("dense", "dense_bf16"))}
+
+
+def _row(model, route, density, k, entries):
+    return {"config": route if density is None else f"topk:{density:g}@{route}", "route": route,
+            "density": density, "k": k, "bytes": model.bytes(route, k, entries),
+            "seconds": model.route_time(route, k, entries)}
+
+
+def format_advice(model, entries, advice):
+    """`advise`'s answer as a table and a line of choices."""
+    lines = [f"{entries:,} entries; {model.describe()}",
+             f"{'config':<22} {'k':>10} {'MB/worker':>10} {'ms/step':>10} {'vs dense':>9}"]
+    dense = next(r["seconds"] for r in advice["rows"] if r["route"] == "dense")
+    for r in advice["rows"]:
+        ratio = f"{dense / r['seconds']:.2f}x" if r["seconds"] > 0 else "-"
+        lines.append(f"{r['config']:<22} {r['k']:>10,} {r['bytes'] / 1e6:>10.3f} {r['seconds'] * 1e3:>10.2f} "
+                     f"{ratio:>9}")
+    lines.append("autopilot's route: " + "; ".join(f"density {d:g} -> {route}"
+                                                   for d, route in advice["choices"].items())
+                 + f"; dense end -> {advice['dense_end']}")
+    return "\n".join(lines)

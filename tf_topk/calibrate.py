@@ -1,0 +1,203 @@
+"""Measure the cluster: the collectives' latency and time per byte, and the selection's time per entry.
+
+`calibrate(strategy, entries)` times, under the strategy in use, an
+all-reduce and an all_gather of a few sizes (Hockney's line through them),
+the fused error-feedback selection on this worker, and the dense all-reduce
+of `entries` float32 entries (the model's gradients) when that is affordable.
+Every worker measures; the slowest decides: the numbers travel in one small
+all_gather (their maximum), so every replica builds the same `tf_topk.cost.CostModel`
+and makes the same choices. The work is bounded by `budget_s` (sizes grow
+geometrically and stop when the next would not fit).
+
+    >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    >>> found = tf_topk.calibrate.calibrate(strategy, entries=12_609_546)
+    >>> print(found.describe())          # one line: the links, the compute, the dense all-reduce
+    >>> found.model.choose(entries=12_609_546, k=12_610)    # the route predicted fastest
+"""
+
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tf_topk import ops
+from tf_topk.cost import CostModel, LinkModel, ring_bytes
+
+# float32 entries of the first timed collective; each next size is FACTOR times larger.
+FIRST_ENTRIES = 256
+FACTOR = 8
+# Calls per size (the median is kept), after one untimed call that traces.
+REPEATS = 5
+# Entries the selection and the rounding are timed on (throughput), and the selection's density.
+SELECTION_ENTRIES = 1 << 20
+SELECTION_DENSITY = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What `calibrate` found.
+
+    model: the CostModel every replica agreed on; points: {"all_reduce" |
+    "all_gather": [(bytes a worker sent, median seconds), ...]} on this
+    worker; dense_s: the measured dense all-reduce of `entries` (None when
+    not measured); dense_predicted_s: the model's prediction of it; seconds:
+    the calibration's own wall time.
+    """
+
+    model: CostModel
+    points: dict
+    entries: int
+    dense_s: float
+    dense_predicted_s: float
+    seconds: float
+
+    def describe(self):
+        """One line for a log."""
+        dense = "" if self.dense_s is None else (
+            f"; dense all-reduce of {self.entries:,} entries {self.dense_s * 1e3:,.1f} ms "
+            f"(predicted {self.dense_predicted_s * 1e3:,.1f} ms)")
+        return f"calibration ({self.seconds:.2f} s): {self.model.describe()}{dense}"
+
+
+def calibrate(strategy=None, entries=None, budget_s=2.0):
+    """Measure the collectives and the selection under `strategy` (default:
+    the current one) and return a Calibration. Call it in the cross-replica
+    context (outside `strategy.run`), on every worker at the same point.
+
+    entries: the gradient entries the model exchanges: collectives are timed
+      up to that size (not beyond what a step sends) and the dense
+      all-reduce of exactly that many is measured when it fits the budget.
+    budget_s: a bound on the calibration's time (the collectives get at most
+      half each; a size whose predicted time would overrun is not timed).
+    """
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
+        raise ValueError(f"budget_s must be a number > 0, got {budget_s!r}")
+    if entries is not None and (isinstance(entries, bool) or not isinstance(entries, int) or entries < 1):
+        raise ValueError(f"entries must be None or an int >= 1, got {entries!r}")
+    strategy = strategy or tf.distribute.get_strategy()
+    replicas = strategy.num_replicas_in_sync
+    start = time.perf_counter()
+    largest = entries or (1 << 22)
+    points = {}
+    for kind in ("all_reduce", "all_gather"):
+        points[kind] = _time_collective(strategy, kind, largest, budget_s / 4) if replicas > 1 else []
+    selection, rounding = _time_compute(SELECTION_ENTRIES)
+    local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding]
+    agreed = _slowest(strategy, local)
+    model = CostModel(replicas, LinkModel(agreed[0], agreed[1]), LinkModel(agreed[2], agreed[3]), agreed[4],
+                      agreed[5])
+    dense_s = dense_predicted_s = None
+    if entries is not None:
+        dense_predicted_s = model.route_time("dense", 0, entries)
+        elapsed = time.perf_counter() - start
+        if replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
+            dense_s = _slowest(strategy, [_median_call(_collective(strategy, "all_reduce", entries), 2)])[0]
+    return Calibration(model, points, entries, dense_s, dense_predicted_s, time.perf_counter() - start)
+
+
+def _line(points):
+    """(latency, seconds per byte) through `points`; (0, 0) with none (one replica)."""
+    if not points:
+        return 0.0, 0.0
+    link = LinkModel.fit(points)
+    return link.latency_s, link.seconds_per_byte
+
+
+def _collective(strategy, kind, size):
+    """A traced function running one `kind` collective of `size` float32 entries per replica."""
+    @tf.function
+    def run():
+        def replica_fn():
+            context = tf.distribute.get_replica_context()
+            buffer = tf.fill([size], tf.cast(context.replica_id_in_sync_group, tf.float32))
+            if kind == "all_reduce":
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, buffer)[:1]
+            return context.all_gather(buffer, axis=0)[:1]
+
+        return strategy.run(replica_fn)
+
+    return run
+
+
+def _median_call(function, repeats):
+    """Median seconds of `repeats` calls, after one that traces."""
+    _block(function())
+    times = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        _block(function())
+        times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _block(result):
+    for tensor in tf.nest.flatten(result):
+        for local in getattr(tensor, "values", (tensor,)):
+            local.numpy()
+
+
+def _time_collective(strategy, kind, largest, budget_s):
+    """[(bytes a worker sends, median seconds)] for sizes FIRST_ENTRIES, x FACTOR,
+    ... up to `largest`, while the next size's predicted time fits `budget_s`.
+
+    Every worker must time the same sizes (the collectives pair up), so the
+    decision to go on is itself agreed: the slowest worker's prediction."""
+    replicas = strategy.num_replicas_in_sync
+    points, spent, size = [], 0.0, min(FIRST_ENTRIES, largest)
+    while True:
+        seconds = _median_call(_collective(strategy, kind, size), REPEATS)
+        sent = ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size
+        points.append((sent, seconds))
+        spent += (REPEATS + 1) * seconds
+        following = min(size * FACTOR, largest)
+        if following == size:
+            break
+        predicted = (REPEATS + 1) * seconds * following / size
+        go_on = _slowest(strategy, [spent + predicted])[0] <= budget_s
+        if not go_on:
+            break
+        size = following
+    if len(points) == 1:  # a line needs two sizes: the smallest again, halved
+        size = max(1, size // 2)
+        half = _median_call(_collective(strategy, kind, size), REPEATS)
+        points.append((ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size,
+                       half))
+    return points
+
+
+def _time_compute(size):
+    """Seconds per entry, on this worker, of the fused error-feedback
+    selection and of the 16-bit route's rounding (with its residual)."""
+    rng = np.random.default_rng(0)
+    gradient = tf.constant(rng.standard_normal(size).astype(np.float32))
+    residual = tf.zeros([size], tf.float32)
+    k = max(1, int(SELECTION_DENSITY * size))
+    select = tf.function(lambda: ops.error_feedback_topk(gradient, residual, k).remaining[:1])
+
+    @tf.function
+    def round_to_bfloat16():
+        accumulated = gradient + residual
+        rounded = tf.cast(accumulated, tf.bfloat16)
+        return (accumulated - tf.cast(rounded, tf.float32))[:1], rounded[:1]
+
+    return _median_call(select, REPEATS) / size, _median_call(round_to_bfloat16, REPEATS) / size
+
+
+def _slowest(strategy, values):
+    """The largest of every replica's `values` (floats), on every replica."""
+    local = tf.constant(values, tf.float64)
+    if strategy.num_replicas_in_sync == 1:
+        return [float(v) for v in local.numpy()]
+
+    @tf.function
+    def run():  # tf.distribute reduces by SUM or MEAN only: gather the rows, then take the max
+        def replica_fn():
+            rows = tf.distribute.get_replica_context().all_gather(tf.expand_dims(local, 0), axis=0)
+            return tf.reduce_max(rows, axis=0)
+
+        return strategy.run(replica_fn)
+
+    result = strategy.experimental_local_results(run())[0]
+    return [float(v) for v in result.numpy()]
