@@ -1,8 +1,11 @@
-"""The main job (`make demo`): two local workers, dense all-reduce vs TopK, side by side.
+"""The main job (`make demo`): two local workers, dense all-reduce vs TopK vs the autopilot, side by side.
 
-Runs examples/digits_fit.py twice through the launcher (MultiWorkerMirroredStrategy
-over localhost, TF_CONFIG on free ports), then prints test accuracy, bytes each
-worker sends per step and median step time for each configuration.
+Runs examples/digits_fit.py three times through the launcher (MultiWorkerMirroredStrategy
+over localhost, TF_CONFIG on free ports): dense, TopK at --density, and
+density="autopilot" (which measures localhost and chooses). Prints test accuracy,
+bytes each worker sends per step and median step time for each, what the
+autopilot found and chose, and what `python -m tf_topk.bench advise` predicts
+for this model on a 1 Gbit/s and a 100 Mbit/s cluster of as many workers.
 
     python examples/demo.py [--workers 2] [--density 0.01] [--epochs 10]
 """
@@ -13,7 +16,11 @@ import os
 import sys
 import tempfile
 
+from tf_topk.autopilot import advise, format_advice
+from tf_topk.cost import CostModel
 from tf_topk.launch import run_workers
+
+ROUTE_NAMES = {0: "dense", 1: "all_gather", 2: "agreed indices", 3: "dense_bf16"}
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,7 +47,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="tf_topk_demo_") as folder:
         rows = [("dense all-reduce", run("dense", args.workers, args.epochs, ["--dense"], folder)),
                 (f"TopK density {args.density}",
-                 run("topk", args.workers, args.epochs, ["--density", str(args.density)], folder))]
+                 run("topk", args.workers, args.epochs, ["--density", str(args.density)], folder)),
+                ("autopilot", run("autopilot", args.workers, args.epochs, ["--autopilot"], folder))]
     dense_bytes = rows[0][1]["bytes_per_step"]
     print()
     print(f"{'configuration':<24} {'test accuracy':>13} {'bytes/step/worker':>18} {'vs dense':>9} {'step time':>10}")
@@ -50,6 +58,15 @@ def main(argv=None):
               f"{r['median_step_seconds'] * 1000:>8.1f}ms")
     print("\nOn localhost the network is free, so step times show the selection's cost, not its benefit;"
           "\n`python -m tf_topk.bench e2e` measures training over a bandwidth-limited network.")
+    autopilot = rows[2][1]
+    print(f"\nWhat the autopilot found on localhost and chose:\n  {autopilot['autopilot']}")
+    print(f"  (last step: density {autopilot['compression'].get('density', float('nan')):.4f}, route "
+          f"{ROUTE_NAMES.get(round(autopilot['compression'].get('exchange_mode', -1)), '?')})")
+    params = rows[0][1]["params"]
+    for link in ("1gbit", "100mbit"):
+        model = CostModel.from_link(args.workers, link)
+        print(f"\n`python -m tf_topk.bench advise --params {params} --workers {args.workers} --link {link}`:")
+        print(format_advice(model, params, advise(model, params)))
     return 0
 
 

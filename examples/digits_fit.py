@@ -32,6 +32,9 @@ def parse_args(argv=None):
     parser.add_argument("--density", type=float, default=0.01, help="fraction of entries sent per step")
     parser.add_argument("--adaptive", action="store_true",
                         help="choose the density every step (tf_topk.schedule.AdaptiveDensity); --density is ignored")
+    parser.add_argument("--autopilot", action="store_true",
+                        help="density=\"autopilot\": measure the cluster, then route and choose the density by "
+                             "predicted time (tf_topk.autopilot); --density is ignored")
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian")
     parser.add_argument("--dense", action="store_true", help="train with the plain optimizer (dense all-reduce)")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
@@ -134,8 +137,8 @@ def main(argv=None):
             inner = keras.optimizers.SGD(args.learning_rate or 0.3, momentum=args.momentum)
         else:
             inner = keras.optimizers.Adam(args.learning_rate or 0.002)
-        density = "adaptive" if args.adaptive else args.density
-        if args.warmup_epochs and not args.adaptive:
+        density = "adaptive" if args.adaptive else "autopilot" if args.autopilot else args.density
+        if args.warmup_epochs and not (args.adaptive or args.autopilot):
             steps_per_epoch = -(-len(x_train) // args.batch_size)
             density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=args.density)
         optimizer = inner if args.dense else tf_topk.TopKOptimizer(
@@ -152,8 +155,8 @@ def main(argv=None):
         callbacks.insert(0, backup)  # restores before the other callbacks start
     if chief:
         mode = "dense all-reduce" if args.dense else (
-            f"TopK density {'adaptive' if args.adaptive else args.density} ({args.method}" + (", momentum correction)" if args.momentum_correction
-                                                            else ")"))
+            f"TopK density {density if isinstance(density, str) else args.density} ({args.method}"
+            + (", momentum correction)" if args.momentum_correction else ")"))
         print(f"{args.dataset}: {len(x_train)} train / {len(x_test)} test, {model.count_params()} parameters, "
               f"{replicas} replica(s), {mode}", flush=True)
     history = model.fit(x_train, y_train, epochs=args.epochs, batch_size=args.batch_size,
@@ -169,7 +172,10 @@ def main(argv=None):
     step_time = statistics.median(timer.times[len(timer.times) // 5:]) if timer.times else float("nan")
     result = {
         "worker": worker, "replicas": replicas, "dense": args.dense,
-        "density": None if args.dense else "adaptive" if args.adaptive else args.density,
+        "density": None if args.dense else density if isinstance(density, str) else args.density,
+        "params": int(params),
+        "autopilot": None if args.dense or optimizer.exchange.autopilot_plan is None else
+        optimizer.exchange.autopilot_plan.describe(),
         # Per epoch (its last step): the entries this worker sent, and k (the slots every worker fills;
         # with agreed indices a worker may hold 0 at an index another worker nominated).
         "densities": [float(v) for v in history.history.get("topk_density", [])],

@@ -246,8 +246,40 @@ def test_several_replicas_per_run_exchange_by_the_mode_asked(tmp_path):
     (("--methods", "topk_mc", "--momentum", "0"), "topk_mc .* needs --momentum > 0 with --optimizer sgd"),
     (("--warmup-epochs", "-1"), "--warmup-epochs must be >= 0, got -1"),
     (("--agreement", "leader"), "--agreement leader needs --exchange-mode allreduce, got auto"),
+    (("--agreed-slots", "2"), "--agreed-slots 2 needs --exchange-mode allreduce, got auto"),
+    (("--autopilot",), "--autopilot plans for a stated link: give --time-links"),
+    (("--time-links", "1gbit,fast"), "links must be comma-separated rates such as 100mbit,1gbit, got '1gbit,fast'"),
 ])
 def test_bad_arguments_are_refused_before_training(args, message):
     proc = run_convergence(*args, timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
+
+
+def test_time_to_accuracy_charges_each_step_its_predicted_exchange():
+    """Two epochs of digits, one seed: every step of dense costs the measured compute plus a ring all-reduce
+    of every parameter at 100 Mbit/s and 4 workers; top-k's its selection and pairs; the autopilot runs
+    the plan for each stated link."""
+    proc = run_convergence("--epochs", "2", "--seeds", "1", "--densities", "0.001", "--methods", "topk_ef",
+                           "--time-links", "100mbit,10gbit", "--autopilot", "--json")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    timing = result["time_to_accuracy"]
+    dense, topk, pilot_slow, pilot_fast = result["configs"]
+    assert [r["label"] for r in (pilot_slow, pilot_fast)] == ["autopilot (100mbit)", "autopilot (10gbit)"]
+    assert set(dense["time_s"]) == {"100mbit", "10gbit"} and set(pilot_slow["time_s"]) == {"100mbit"}
+    steps = -(-result["train_samples"] // result["batch_size"])
+    params = dense["time_s"]
+    compute = timing["compute_s_per_step"]
+    for link, rate in (("100mbit", 12.5e6), ("10gbit", 1.25e9)):
+        per_step = compute + 5e-4 + 2 * 3 / 4 * 4 * 85_002 / rate  # the MLP 64-256-256-10: 85,002 parameters
+        assert params[link] == pytest.approx([per_step * steps, 2 * per_step * steps], rel=1e-3)
+        # Top-k at 0.001 sends a few hundred pairs: far less time per epoch than dense on the slow link.
+        assert topk["time_s"][link][0] < params[link][0]
+    assert topk["time_s"]["100mbit"][0] < 0.2 * params["100mbit"][0]
+    links = timing["links"]
+    assert set(links["100mbit"]["time_to_target_s"]) == {"dense", "topk_ef:0.001", "autopilot"}
+    reached = links["100mbit"]["time_to_target_s"]
+    if reached["autopilot"] is not None and reached["topk_ef:0.001"] is not None:
+        assert links["100mbit"]["autopilot_vs_best_fixed"] == pytest.approx(
+            reached["autopilot"] / reached["topk_ef:0.001"], abs=1e-3)

@@ -118,3 +118,17 @@ def test_two_workers_agree_on_the_slowest_numbers(tmp_path):
     mine = [LinkModel.fit(found["points"]["all_reduce"]) for found in (first, second)]
     assert first["model"]["all_reduce"]["latency_s"] == pytest.approx(max(m.latency_s for m in mine))
     assert first["model"]["all_reduce"]["seconds_per_byte"] == pytest.approx(max(m.seconds_per_byte for m in mine))
+
+
+def test_small_variables_ride_in_the_routes_collective_except_bfloat16s():
+    # Latency only (1 ms a collective), no selection or rounding cost: the count of collectives decides.
+    model = CostModel(2, LinkModel(1e-3, 0.0), LinkModel(1e-3, 0.0))
+    n, small = 1_000_000, 1_000
+    assert model.times(n, 100, small_entries=small) == {"dense": 1e-3, "dense_bf16": 2e-3, "allgather": 1e-3,
+                                                        "allreduce": 2e-3}
+    assert model.times(n, 100)["dense_bf16"] == 1e-3  # nothing beside it: one collective
+    # Two workers on localhost (the demo's digits MLP as calibrated there): halving 196 KB saves less
+    # than the small variables' own all-reduce costs, so every entry goes in float32.
+    local = CostModel(2, LinkModel(1.7e-3, 8 / 3.9e9), LinkModel(2.2e-3, 8 / 1e9), 2.4e-9, 0.95e-9)
+    assert local.choose(49_152, 0, ("dense", "dense_bf16"), small_entries=1_675) == "dense"
+    assert local.choose(49_152, 0, ("dense", "dense_bf16")) == "dense_bf16"

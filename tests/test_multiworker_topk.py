@@ -49,6 +49,19 @@ def test_topk_fit_matches_dense_accuracy_with_identical_weights(workers, tmp_pat
     assert topk[0]["skipped_steps"] == 0
 
 
+def test_autopilot_two_workers_measure_one_link_and_keep_identical_weights(tmp_path):
+    """density="autopilot": each worker times the collectives, both take the slower numbers, so both
+    make the same choices every step and end with the same weights."""
+    reports, weights = fit(2, tmp_path / "autopilot", "--autopilot")
+    assert_identical(weights)
+    lines = [r["autopilot"] for r in reports]
+    assert all(line.startswith("tf_topk autopilot: calibration (") for line in lines)
+    # Each line opens with the worker's own calibration time; what was found and chosen is the same.
+    assert lines[0].split("): ", 1)[1] == lines[1].split("): ", 1)[1]
+    assert reports[0]["density"] == "autopilot" and reports[0]["test_accuracy"] > 0.9
+    assert reports[0]["compression"]["exchange_mode"] == reports[1]["compression"]["exchange_mode"]
+
+
 def test_sparse_updates_with_momentum_correction_keep_workers_identical(tmp_path):
     """Two workers, each applying every replica's pairs in place (sparse_updates):
     the same order of additions on both, so the same weights bitwise."""

@@ -41,12 +41,13 @@ ADVISE_DENSITIES = (0.1, 0.01, 0.001, 0.0001)
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What the autopilot decided for an exchange of `entries` sparsifiable
-    entries: the cost model, the calibration behind it (None when assumed),
-    and the parts it makes."""
+    entries and `small_entries` dense-path ones: the cost model, the
+    calibration behind it (None when assumed), and the parts it makes."""
 
     model: CostModel
     calibration: object
     entries: int
+    small_entries: int = 0
 
     def dense_route(self):
         """"dense" or "dense_bf16" where no density of the adaptive range would
@@ -56,20 +57,23 @@ class Plan:
 
         entries = max(1, self.entries)
         fewest = max(1, math.ceil(AdaptiveDensity().min_density * entries))  # the sparse end's fastest step
-        sparse = min(self.model.route_time(route, fewest, entries) for route in ("allgather", "allreduce"))
-        dense = self.model.choose(entries, 0, ("dense", "dense_bf16"))
-        return dense if self.model.route_time(dense, 0, entries) <= sparse else None
+        small = self.small_entries
+        sparse = min(self.model.route_time(route, fewest, entries, small) for route in ("allgather", "allreduce"))
+        dense = self.model.choose(entries, 0, ("dense", "dense_bf16"), small)
+        return dense if self.model.route_time(dense, 0, entries, small) <= sparse else None
 
     def router(self):
         """A TimedRouter over the model, or a FixedRouter of `dense_route()` where that holds."""
         from tf_topk.routes import ROUTES, FixedRouter, TimedRouter
 
         dense = self.dense_route()
-        return FixedRouter(ROUTES[dense]) if dense else TimedRouter(self.model)
+        return FixedRouter(ROUTES[dense]) if dense else TimedRouter(self.model, self.small_entries)
 
-    def density(self):
+    def density(self, replicas=None):
         """An AdaptiveDensity over the measured link (all-reduce latency and
-        bandwidth, selection time), or 1.0 where `dense_route()` holds."""
+        bandwidth, selection time), or 1.0 where `dense_route()` holds.
+        replicas: the workers its byte costs assume (default: the replicas in
+        sync; set it to study a cluster from one process)."""
         from tf_topk.schedule import AdaptiveDensity
 
         if self.dense_route():
@@ -78,7 +82,7 @@ class Plan:
         bandwidth = MAX_BANDWIDTH_BYTES_PER_S if link.seconds_per_byte == 0 else \
             min(1.0 / link.seconds_per_byte, MAX_BANDWIDTH_BYTES_PER_S)
         return AdaptiveDensity(latency_s=link.latency_s, bandwidth_bytes_per_s=bandwidth,
-                               selection_s_per_entry=self.model.selection_s_per_entry)
+                               selection_s_per_entry=self.model.selection_s_per_entry, replicas=replicas)
 
     def describe(self):
         dense = self.dense_route()
@@ -90,9 +94,10 @@ class Plan:
                 f"{self.model.describe()}{choice}")
 
 
-def plan(entries, strategy=None, budget_s=2.0, log=True):
+def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     """The autopilot's Plan for an exchange of `entries` sparsifiable entries
-    under `strategy` (default: the current one)."""
+    and `small_entries` dense-path ones under `strategy` (default: the
+    current one)."""
     import tensorflow as tf
 
     from tf_topk.calibrate import calibrate
@@ -101,18 +106,20 @@ def plan(entries, strategy=None, budget_s=2.0, log=True):
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
     if tf.executing_eagerly() and outside_replicas:
         found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s)
-        result = Plan(found.model, found, entries)
+        result = Plan(found.model, found, entries, small_entries)
     else:
-        result = Plan(CostModel.from_link(strategy.num_replicas_in_sync, ASSUMED_LINK), None, entries)
+        result = Plan(CostModel.from_link(strategy.num_replicas_in_sync, ASSUMED_LINK), None, entries,
+                      small_entries)
     if log:
         print(result.describe(), file=sys.stderr, flush=True)
     return result
 
 
-def advise(model, entries, densities=ADVISE_DENSITIES):
+def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0):
     """Predicted seconds per step of exchanging `entries` entries by every
     route at every density, and what the autopilot's router would take.
 
+    small_entries: dense-path entries beside them (small variables).
     Returns {"rows": [{"config", "route", "density", "k", "bytes",
     "seconds"}, ...] (dense and dense_bf16 once, then all_gather and agreed
     indices per density), "choices": {density: route} (`CostModel.choose`
@@ -125,19 +132,20 @@ def advise(model, entries, densities=ADVISE_DENSITIES):
     >>> advice["dense_end"], advice["choices"][0.01], advice["choices"][0.0001]
     ('dense_bf16', 'allreduce', 'allgather')
     """
-    rows = [_row(model, route, None, 0, entries) for route in ("dense", "dense_bf16")]
+    rows = [_row(model, route, None, 0, entries, small_entries) for route in ("dense", "dense_bf16")]
     choices = {}
     for density in densities:
         k = max(1, min(entries, math.ceil(density * entries)))
-        rows += [_row(model, route, density, k, entries) for route in ("allgather", "allreduce")]
-        choices[density] = model.choose(entries, k)
-    return {"rows": rows, "choices": choices, "dense_end": model.choose(entries, 0, ("dense", "dense_bf16"))}
+        rows += [_row(model, route, density, k, entries, small_entries) for route in ("allgather", "allreduce")]
+        choices[density] = model.choose(entries, k, small_entries=small_entries)
+    return {"rows": rows, "choices": choices,
+            "dense_end": model.choose(entries, 0, ("dense", "dense_bf16"), small_entries)}
 
 
-def _row(model, route, density, k, entries):
+def _row(model, route, density, k, entries, small_entries):
     return {"config": route if density is None else f"topk:{density:g}@{route}", "route": route,
             "density": density, "k": k, "bytes": model.bytes(route, k, entries),
-            "seconds": model.route_time(route, k, entries)}
+            "seconds": model.route_time(route, k, entries, small_entries)}
 
 
 def format_advice(model, entries, advice):

@@ -136,31 +136,38 @@ class CostModel:
             return 2.0 * ring_bytes(4.0 * k, p)
         raise ValueError(f"route must be one of {ROUTE_NAMES}, got {route!r}")
 
-    def route_time(self, route, k, entries):
+    def route_time(self, route, k, entries, small_entries=0):
         """Predicted seconds one step spends exchanging a bucket of `entries`
-        entries with `k` pairs by `route` (one replica: only the selection)."""
+        entries with `k` pairs by `route` (one replica: only the selection),
+        with `small_entries` float32 dense-path entries (small variables, the
+        step's scalars) beside it: carried in the route's collective (an
+        all_gather sends them to every replica), or in an all-reduce of their
+        own for dense_bf16, which cannot carry float32 entries."""
         num_bytes = self.bytes(route, k, entries)
         per_entry = {"allgather": self.selection_s_per_entry, "allreduce": self.selection_s_per_entry,
                      "dense_bf16": self.rounding_s_per_entry}.get(route, 0.0)
         compute = per_entry * entries
         if self.replicas == 1:
             return compute
+        small = ring_bytes(4.0 * small_entries, self.replicas)
         if route == "allgather":
-            return compute + self.all_gather.time(num_bytes)
-        if route == "allreduce":  # the index agreement, then the values: two collectives
-            return compute + 2 * self.all_reduce.time(num_bytes / 2)
-        return compute + self.all_reduce.time(num_bytes)
+            return compute + self.all_gather.time(num_bytes + (self.replicas - 1) * 4.0 * small_entries)
+        if route == "allreduce":  # the index agreement, then the values (and the carry): two collectives
+            return compute + self.all_reduce.time(num_bytes / 2) + self.all_reduce.time(num_bytes / 2 + small)
+        if route == "dense_bf16" and small_entries:
+            return compute + self.all_reduce.time(num_bytes) + self.all_reduce.time(small)
+        return compute + self.all_reduce.time(num_bytes + small)
 
-    def times(self, entries, k, routes=ROUTE_NAMES):
+    def times(self, entries, k, routes=ROUTE_NAMES, small_entries=0):
         """{route: predicted seconds} for a bucket."""
-        return {route: self.route_time(route, k, entries) for route in routes}
+        return {route: self.route_time(route, k, entries, small_entries) for route in routes}
 
-    def choose(self, entries, k, routes=ROUTE_NAMES):
+    def choose(self, entries, k, routes=ROUTE_NAMES, small_entries=0):
         """The route predicted fastest for a bucket of `entries` with `k`
         pairs, except that all_gather keeps it against agreed indices unless
         they are AGREED_SPEEDUP times faster (the more accurate selection).
         Ties go to the earlier of `routes`."""
-        times = self.times(entries, k, routes)
+        times = self.times(entries, k, routes, small_entries)
         best = min(routes, key=lambda r: times[r])
         if best == "allreduce" and "allgather" in times and \
                 times["allgather"] <= AGREED_SPEEDUP * times["allreduce"] and \

@@ -141,7 +141,8 @@ class SparseExchange(tf.Module):
         self.autopilot_plan = None
         if self.config.schedule.autopilot:
             specs = [_spec(v, self.config.min_size) for v in variables]
-            self.autopilot_plan = autopilot.plan(sum(spec.size for spec in specs if spec.sparse))
+            self.autopilot_plan = autopilot.plan(sum(spec.size for spec in specs if spec.sparse),
+                                                 sum(spec.size for spec in specs if not spec.sparse) + 1)
             self.config = self.config.replace(density=self.autopilot_plan.density())
             router = router or self.autopilot_plan.router()
         self.selector = _part(selector, Selector, "selector") or TopKSelector(self.config.method)

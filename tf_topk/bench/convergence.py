@@ -66,16 +66,17 @@ import time
 
 import numpy as np
 
-from tf_topk.bench import text
+from tf_topk.bench import text, time_to_accuracy
 from tf_topk.bench.data import load_data
 from tf_topk import cli
 
 METHODS = ("topk_ef", "topk_mc", "topk_noef", "randk_ef")
 DEFAULT_METHODS = ("topk_ef", "topk_noef", "randk_ef")
 LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_mc": "top-k + EF + MC", "topk_noef": "top-k, no EF",
-          "randk_ef": "random-k + EF", "adaptive": "adaptive", "adaptive_mc": "adaptive + MC"}
+          "randk_ef": "random-k + EF", "adaptive": "adaptive", "adaptive_mc": "adaptive + MC",
+          "autopilot": "autopilot"}
 COLORS = {"dense": "black", "topk_ef": "tab:blue", "topk_mc": "tab:purple", "topk_noef": "tab:red",
-          "randk_ef": "tab:green", "adaptive": "tab:orange", "adaptive_mc": "tab:brown"}
+          "randk_ef": "tab:green", "adaptive": "tab:orange", "adaptive_mc": "tab:brown", "autopilot": "tab:cyan"}
 
 
 # -- the random-k baseline (benchmark only) ------------------------------------------------
@@ -132,7 +133,7 @@ def optimizer_name(args):
         (", nesterov=True)" if args.nesterov else ")")
 
 
-def make_optimizer(keras, method, density, args, steps_per_epoch):
+def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries=None):
     import tf_topk
 
     inner = make_inner(keras, args)
@@ -151,6 +152,14 @@ def make_optimizer(keras, method, density, args, steps_per_epoch):
         common["variance_warmup_steps"] = variance_warmup_steps(args, steps_per_epoch)
     if method in ("adaptive", "adaptive_mc"):
         return tf_topk.TopKOptimizer(inner, density=tf_topk.schedule.AdaptiveDensity(replicas=args.workers),
+                                     **common)
+    if method == "autopilot":  # `density` is the stated link: the plan the autopilot makes for that cluster
+        from tf_topk.autopilot import Plan
+
+        plan = Plan(time_to_accuracy.cost_model(density, args.workers, args.latency_ms), None, sparse_entries)
+        common.pop("exchange_mode", None)
+        common.pop("router", None)
+        return tf_topk.TopKOptimizer(inner, density=plan.density(replicas=args.workers), router=plan.router(),
                                      **common)
     if args.warmup_epochs:
         density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=density)
@@ -183,11 +192,17 @@ def _bytes_callback(keras, optimizer, model, workers):
     class Bytes(keras.callbacks.Callback):
         def on_train_begin(self, logs=None):
             self.total, self.per_epoch, self.densities, self._epoch_densities = 0.0, [], [], []
+            self.steps, self.epoch_ends, self.step_seconds = [], [], []  # for --time-links
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self._began = time.perf_counter()
 
         def on_train_batch_end(self, batch, logs=None):
+            self.step_seconds.append(time.perf_counter() - self._began)
             if not hasattr(optimizer, "compression_stats"):
                 params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
                 self.total += ring_all_reduce_bytes(4.0 * params, workers)
+                self.steps.append({"selected": 0.0, "density": 1.0, "mode": None})
                 return
             stats = optimizer.compression_stats()
             sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
@@ -197,9 +212,12 @@ def _bytes_callback(keras, optimizer, model, workers):
             self.total += mode_bytes(route, stats["selected"], sparse, workers) + \
                 ring_all_reduce_bytes(4.0 * small, workers)
             self._epoch_densities.append(stats["density"])
+            self.steps.append({"selected": stats["selected"], "density": stats["density"],
+                               "mode": round(stats["exchange_mode"])})
 
         def on_epoch_end(self, epoch, logs=None):
             self.per_epoch.append(self.total)
+            self.epoch_ends.append(len(self.steps))
             if self._epoch_densities:
                 self.densities.append(statistics.fmean(self._epoch_densities))
             self._epoch_densities = []
@@ -239,7 +257,8 @@ def train_one(method, density, seed, data, args, strategy):
             model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1,
                                args.model)
         steps_per_epoch = args.eval_every if lm else -(-len(x_train) // args.batch_size)
-        optimizer = make_optimizer(keras, method, density, args, steps_per_epoch)
+        optimizer = make_optimizer(keras, method, density, args, steps_per_epoch,
+                                   sparse_entries=entry_counts(model, args.min_size)[0])
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=[] if lm else ["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
     counter = _bytes_callback(keras, optimizer, model, args.workers)
@@ -261,7 +280,15 @@ def train_one(method, density, seed, data, args, strategy):
         "params": params,
         "bytes": counter.per_epoch,
         "densities": counter.densities,
+        "steps": counter.steps, "epoch_ends": counter.epoch_ends, "step_seconds": counter.step_seconds,
+        "entries": entry_counts(model, args.min_size),
     }
+
+
+def entry_counts(model, min_size):
+    """(sparsified entries, small entries) of the model's variables at `min_size`."""
+    sizes = [int(np.prod(v.shape)) for v in model.trainable_variables]
+    return sum(n for n in sizes if n >= min_size), sum(n for n in sizes if n < min_size)
 
 
 # What a configuration is judged by (its row's `KEY_mean`, `KEY_std`, `KEY_per_seed` and curve `KEY`), from
@@ -278,6 +305,41 @@ def _mean_curve(runs, key):
     return [round(statistics.fmean(values), 5) for values in zip(*(r[key] for r in runs))]
 
 
+def charge_time(rows, args, key):
+    """Per row and stated link: the time curve (mean over seeds of each epoch's end, in seconds, with each
+    step charged the dense run's median compute on this machine plus its predicted exchange at
+    `args.workers` workers) and the time to reach dense's final score minus `args.target_margin` points;
+    then, per link, the autopilot's time against the best fixed density's."""
+    if key != "test_accuracy":
+        raise ValueError("--time-links is for the accuracy data sets")
+    dense = rows[0]
+    compute_s = statistics.median(t for r in dense["_runs"] for t in r["step_seconds"][1:])  # the first traces
+    target = dense["test_accuracy_mean"] - args.target_margin / 100.0
+    summary = {"compute_s_per_step": round(compute_s, 6), "target_accuracy": round(target, 5),
+               "workers": args.workers, "latency_ms": args.latency_ms, "links": {}}
+    for link in args.time_links:
+        model = time_to_accuracy.cost_model(link, args.workers, args.latency_ms)
+        per_link = {}
+        for row in rows:
+            if row["link"] not in (None, link):
+                continue  # another link's autopilot
+            chooser = "timed" if row["method"] == "autopilot" else \
+                ("auto" if args.exchange_mode == "auto" else args.exchange_mode)
+            curves = [time_to_accuracy.epoch_times(r["steps"], r["epoch_ends"], model, compute_s, *r["entries"],
+                                                   chooser) for r in row["_runs"]]
+            times = [statistics.fmean(t[i] for t in curves) for i in range(len(curves[0]))]
+            reached = time_to_accuracy.time_to_target(row["curves"]["test_accuracy"], times, target)
+            name = row["method"] if row["density"] is None else f"{row['method']}:{row['density']:g}"
+            row.setdefault("time_s", {})[link] = [round(t, 4) for t in times]
+            per_link[name] = None if reached is None else round(reached, 4)
+        fixed = [t for name, t in per_link.items() if ":" in name and name.startswith("topk_ef") and t is not None]
+        pilot = per_link.get("autopilot")
+        summary["links"][link] = {"time_to_target_s": per_link,
+                                  "autopilot_vs_best_fixed": None if pilot is None or not fixed else
+                                  round(pilot / min(fixed), 3)}
+    return summary
+
+
 def _std(values):
     return statistics.stdev(values) if len(values) > 1 else 0.0
 
@@ -290,6 +352,8 @@ def run(args, log=None):
         configs.append(("adaptive", None))
         if "topk_mc" in args.methods:
             configs.append(("adaptive_mc", None))
+    if args.autopilot:
+        configs += [("autopilot", link) for link in args.time_links]
     rows, params = [], None
     key = score_key(args.dataset)
     started = time.monotonic()
@@ -300,10 +364,13 @@ def run(args, log=None):
             runs.append(train_one(method, density, seed, data, args, strategy))
         params = runs[0]["params"]
         final = [r[HISTORY_KEYS[key]][-1] for r in runs]
+        link = density if method == "autopilot" else None
+        density = None if method == "autopilot" else density
         row = {
             "method": method,
-            "label": LABELS[method],
+            "label": LABELS[method] + (f" ({link})" if link else ""),
             "density": density,
+            "link": link,
             f"{key}_mean": round(statistics.fmean(final), 5),
             f"{key}_std": round(_std(final), 5),
             f"{key}_per_seed": [round(a, 5) for a in final],
@@ -321,8 +388,9 @@ def run(args, log=None):
             row["sent_density"] = round(statistics.fmean(r["stats"].get("density", float("nan")) for r in runs), 6)
             # The last step's route (0 dense, 1 all_gather, 2 agreed indices; tf_topk.routes.MODE_CODES).
             row["exchange_mode_code"] = statistics.fmean(r["stats"].get("exchange_mode", float("nan")) for r in runs)
-        if method in ("adaptive", "adaptive_mc"):
+        if method in ("adaptive", "adaptive_mc", "autopilot"):
             row["curves"]["density"] = _mean_curve(runs, "densities")
+        row["_runs"] = [{name: r[name] for name in ("steps", "epoch_ends", "step_seconds", "entries")} for r in runs]
         rows.append(row)
         if log:
             log(f"{row['label']:<14} density {density if density is not None else '-':<6} {SCORE_NAMES[key]} "
@@ -334,6 +402,9 @@ def run(args, log=None):
         else:
             row["vs_dense_points"] = round(100 * (row["test_accuracy_mean"] - dense["test_accuracy_mean"]), 2)
     targets = adaptive_targets(rows) if args.adaptive else None
+    timing = charge_time(rows, args, key) if args.time_links else None
+    for row in rows:
+        del row["_runs"]
     budget = {"steps": args.steps, "eval_every": args.eval_every, "corpus": text.describe_corpus()} \
         if key == "val_loss" else {}
     import keras
@@ -354,6 +425,7 @@ def run(args, log=None):
         "configs": rows,
         "workers_for_bytes": args.workers,
         "adaptive_targets": targets,
+        "time_to_accuracy": timing,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"nproc": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                     "tf_version": tf.__version__, "keras_version": keras.__version__},
@@ -498,6 +570,18 @@ def _methods(text):
     return values
 
 
+def _links(text):
+    from tf_topk.bench.netns import parse_rate
+
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    try:
+        if not values or any(parse_rate(v) is None for v in values):
+            raise ValueError(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"links must be comma-separated rates such as 100mbit,1gbit, got {text!r}")
+    return values
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tf_topk.bench convergence", description=__doc__,
@@ -551,6 +635,16 @@ def main(argv=None):
     parser.add_argument("--agreed-slots", type=int, default=1,
                         help="with --exchange-mode allreduce: agreed indices per variable as a multiple of k "
                              "(tf_topk.routes.AgreedIndexRoute's slots; default 1)")
+    parser.add_argument("--time-links", type=_links, default=None,
+                        help="comma-separated link rates (100mbit,1gbit,10gbit): charge every step the dense "
+                             "run's compute plus its predicted exchange at --workers workers on each, and report "
+                             "the time to reach dense's final accuracy minus --target-margin points")
+    parser.add_argument("--latency-ms", type=float, default=0.5, help="per-collective latency of those links (ms)")
+    parser.add_argument("--target-margin", type=float, default=0.5,
+                        help="points below dense's final accuracy that count as reached (default 0.5)")
+    parser.add_argument("--autopilot", action="store_true",
+                        help="with --time-links: also train with the autopilot's plan for each link "
+                             "(tf_topk.autopilot.Plan over the stated cluster)")
     parser.add_argument("--workers", type=int, default=4,
                         help="the cluster size bytes are counted for, and the adaptive rule's cost model assumes")
     parser.add_argument("--plot", metavar="PNG", help="draw the curves to this file (needs matplotlib)")
@@ -589,6 +683,10 @@ def main(argv=None):
         parser.error(f"--agreement {args.agreement} needs --exchange-mode allreduce, got {args.exchange_mode}")
     if args.agreed_slots != 1 and args.exchange_mode != "allreduce":
         parser.error(f"--agreed-slots {args.agreed_slots} needs --exchange-mode allreduce, got {args.exchange_mode}")
+    if args.autopilot and not args.time_links:
+        parser.error("--autopilot plans for a stated link: give --time-links")
+    if args.latency_ms < 0:
+        parser.error(f"--latency-ms must be >= 0, got {args.latency_ms}")
     if args.agreed_slots < 1:
         parser.error(f"--agreed-slots must be >= 1, got {args.agreed_slots}")
     if args.replicas < 1 or args.batch_size % args.replicas:

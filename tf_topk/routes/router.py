@@ -162,7 +162,8 @@ class TimedRouter(Router):
     seconds (`tf_topk.calibrate`) instead of bytes. Decided when traced;
     with a k tensor (scheduled or adaptive density), the sparse route
     fastest at the largest k, switched to dense per step where agreed
-    indices would be slower (`AgreedOrDenseRoute`).
+    indices would be slower (`AgreedOrDenseRoute`). small_entries: the
+    dense-path entries that travel beside the buckets.
 
     >>> model = tf_topk.calibrate.calibrate(strategy, entries=n).model
     >>> exchange = tf_topk.SparseExchange(variables, density=0.01, router=TimedRouter(model))
@@ -171,25 +172,26 @@ class TimedRouter(Router):
     uses_leader = False
     can_go_dense = True
 
-    def __init__(self, cost_model):
+    def __init__(self, cost_model, small_entries=0):
         from tf_topk.cost import CostModel
 
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a tf_topk.cost.CostModel, got {type(cost_model).__name__}")
         self.cost_model = cost_model
+        self.small_entries = small_entries
 
     def route(self, bucket, replicas):
         if replicas == 1:
             return ROUTES["allgather"]
-        model = self._model(replicas)
+        model, small = self._model(replicas), self.small_entries
         if all(isinstance(k, int) for k in bucket.ks):
-            return ROUTES[model.choose(bucket.size, sum(bucket.ks))]
-        sparse = model.choose(bucket.size, bucket.max_pairs, ("allgather", "allreduce"))
-        dense_s = model.route_time("dense", 0, bucket.size)
-        if model.route_time(sparse, bucket.max_pairs, bucket.size) <= dense_s:
+            return ROUTES[model.choose(bucket.size, sum(bucket.ks), small_entries=small)]
+        sparse = model.choose(bucket.size, bucket.max_pairs, ("allgather", "allreduce"), small)
+        dense_s = model.route_time("dense", 0, bucket.size, small)
+        if model.route_time(sparse, bucket.max_pairs, bucket.size, small) <= dense_s:
             return ROUTES[sparse]
         pairs = tf.add_n([tf.cast(k, tf.float32) for k in bucket.ks])
-        return AgreedOrDenseRoute(model.route_time("allreduce", pairs, bucket.size) > dense_s)
+        return AgreedOrDenseRoute(model.route_time("allreduce", pairs, bucket.size, small) > dense_s)
 
     def sparse_route(self, bucket, replicas):
         route = self.route(bucket, replicas)
