@@ -3,6 +3,7 @@ model, the `advise` command, the plan in eager and traced code, and a fit on
 two replicas whose fast local link takes the dense route, saved and loaded in
 a new process."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -85,7 +86,7 @@ def test_plan_measures_when_eager_and_assumes_when_traced(capsys):
     traced = []
     tf.function(lambda: traced.append(plan(100_000)) or tf.constant(0))()
     assert traced[0].calibration is None
-    assert traced[0].model == CostModel.from_link(1, ASSUMED_LINK)
+    assert traced[0].model == dataclasses.replace(CostModel.from_link(1, ASSUMED_LINK), agreed_slots=2)
     err = capsys.readouterr().err
     assert "tf_topk autopilot: calibration (" in err and "every entry, dense" in err and "nothing measured" in err
 
@@ -151,7 +152,9 @@ def test_timed_router_takes_the_predicted_fastest_route_per_bucket():
                       dtypes=[tf.float32], max_pairs=max_pairs)
 
     slow = TimedRouter(CostModel.from_link(8, "100mbit"))
-    assert slow.route(bucket([126_096], WIDE, 126_096), 8) is ROUTES["allreduce"]
+    assert slow.route(bucket([126_096], WIDE, 126_096), 8).name == "allreduce"
+    doubled = TimedRouter(dataclasses.replace(CostModel.from_link(8, "100mbit"), agreed_slots=2))
+    assert doubled.route(bucket([126_096], WIDE, 126_096), 8).slots == 2
     assert slow.route(bucket([1_261], WIDE, 1_261), 8) is ROUTES["allgather"]
     assert slow.route(bucket([1_261], WIDE, 1_261), 1) is ROUTES["allgather"]  # one replica: select only
     fast = TimedRouter(CostModel.from_link(4, LinkModel(2e-5, 1 / 50e9), rounding_s_per_entry=1e-9))
@@ -161,5 +164,39 @@ def test_timed_router_takes_the_predicted_fastest_route_per_bucket():
     assert isinstance(switch, AgreedOrDenseRoute) and bool(switch.dense_when)
     switch = slow.route(bucket([tf.constant(1_000)], WIDE, WIDE), 8)
     assert isinstance(switch, AgreedOrDenseRoute) and not bool(switch.dense_when)
+    # An adaptive k decided at a typical density: at 4 workers and 1 Gbit/s, all_gather for 0.1% of the
+    # wide model (within 1.25x of agreed indices), though its largest k (10%) favours agreed indices.
+    link = CostModel.from_link(4, "1gbit")
+    assert TimedRouter(link, typical_density=0.001).route(bucket([tf.constant(1_000)], WIDE, WIDE // 10), 4) \
+        is ROUTES["allgather"]
+    assert TimedRouter(link).route(bucket([tf.constant(1_000)], WIDE, WIDE // 10), 4).name == "allreduce"
     with pytest.raises(TypeError, match="cost_model must be a tf_topk.cost.CostModel, got str"):
         TimedRouter("1gbit")
+
+
+def test_where_every_entry_goes_dense_one_all_reduce_flushes_the_residuals(capsys):
+    """One replica: nothing travels, so the autopilot sends every entry. The step is the plain sum with
+    the residuals (e.g. restored from a run that sparsified) flushed into it; a step with a NaN changes
+    nothing and says so."""
+    import numpy as np
+    import tensorflow as tf
+
+    import tf_topk
+
+    variables = [tf.Variable(tf.zeros([40, 30])), tf.Variable(tf.zeros([5]))]
+    exchange = tf_topk.SparseExchange(variables, density="autopilot", min_size=100)
+    assert exchange.autopilot_plan.dense_route() == "dense" and exchange.sparse_positions == [0]
+    residual = np.arange(1200, dtype=np.float32).reshape(40, 30) / 100
+    exchange.residuals[0].assign(residual)
+    grads = [tf.ones([40, 30]), tf.fill([5], 2.0)]
+    result = exchange(grads)
+    assert bool(result.all_finite)
+    np.testing.assert_allclose(result.grads[0].numpy(), 1.0 + residual)
+    np.testing.assert_array_equal(result.grads[1].numpy(), np.full(5, 2.0))
+    assert not exchange.residuals[0].numpy().any()
+    assert float(result.stats["exchange_mode"]) == 0.0 and float(result.stats["density"]) == 1.0
+    exchange.residuals[0].assign(residual)
+    bad = exchange([tf.ones([40, 30]), tf.constant([1.0, np.nan, 0.0, 0.0, 0.0])])
+    assert not bool(bad.all_finite)
+    np.testing.assert_array_equal(exchange.residuals[0].numpy(), residual)  # kept for the next kept step
+    assert "every entry, dense" in capsys.readouterr().err

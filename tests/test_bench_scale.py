@@ -21,11 +21,16 @@ def test_scale_measures_each_mode_and_projects_larger_clusters(capsys):
         for key in ("dense", "allgather", "allreduce", "auto"):
             assert row[key] == pytest.approx(formula[key], rel=1e-6), (row, key)
         assert row["auto_mode"] == formula["auto_mode"]
-    # P * k = 900 > n / 16 at P = 3: agreed indices (at P = 2 all_gather sends as few bytes).
-    assert [r["auto_mode"] for r in measured] == ["allgather", "allreduce"]
-    # 300 pairs: all_gather sends them to every other worker, the agreed indices stay below 16 bytes a pair.
+    # P * k = 900 > n / 16 at P = 3, but "auto"'s agreed indices on 2k slots send 32k * 2/3 bytes, more than
+    # all_gather's 16k: all_gather at 2 and 3 workers; agreed indices from 5 workers on.
+    assert [r["auto_mode"] for r in measured] == ["allgather", "allgather"]
+    assert [r["auto_mode"] for r in projected][:3] == ["allreduce"] * 3 and scale.PROJECTED[0] >= 5
+    # 300 pairs: all_gather sends them to every other worker, the agreed indices stay below 16 bytes a pair
+    # (32 with "auto"'s 2k slots).
     big = projected[-1]
-    assert big["allgather"] > big["dense"] > big["allreduce"] and big["auto"] == big["allreduce"]
+    small = scale.ring_all_reduce_bytes(404.0, big["workers"])
+    assert big["allgather"] > big["dense"] > big["auto"] > big["allreduce"]
+    assert big["auto"] - small == pytest.approx(2 * (big["allreduce"] - small))
     assert big["allreduce"] < 16 * 300 + scale.ring_all_reduce_bytes(404.0, big["workers"])
     targets = result["targets"]
     assert targets["pairs"] == 300 and targets["allreduce_below_16_bytes_a_pair_every_P"] is True

@@ -1,6 +1,7 @@
 """The time model (tf_topk.cost) against hand-computed cases, and the calibration
 (tf_topk.calibrate) under MirroredStrategy and across two real workers."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -48,6 +49,11 @@ def test_route_times_follow_the_volume_formulas():
     assert model.route_time("allgather", k, n) == pytest.approx(2e-9 * n + 1e-3 + 1e-8 * 7 * 8 * k)
     # Agreed indices: two all-reduces (indices, then values) of 4k bytes each.
     assert model.route_time("allreduce", k, n) == pytest.approx(2e-9 * n + 2 * (5e-4 + 8e-9 * ring_bytes(4 * k, 8)))
+    # Densifying: every replica's k pairs with all_gather, the agreed slots with agreed indices.
+    densifying = dataclasses.replace(model, pair_s=1e-7, agreed_slots=2)
+    assert densifying.route_time("allgather", k, n) - model.route_time("allgather", k, n) == pytest.approx(8 * k * 1e-7)
+    assert densifying.route_time("allreduce", k, n) - model.route_time("allreduce", k, n) == pytest.approx(
+        2 * k * 1e-7 + (5e-4 + 8e-9 * ring_bytes(8 * k, 8)) * 2 - 2 * (5e-4 + 8e-9 * ring_bytes(4 * k, 8)))
     one = CostModel(1, link, link, selection_s_per_entry=2e-9)
     assert one.times(n, k) == {"dense": 0.0, "dense_bf16": 0.0, "allgather": 2e-9 * n, "allreduce": 2e-9 * n}
     assert one.choose(n, k) == "dense"  # nothing travels: selecting only costs

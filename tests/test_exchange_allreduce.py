@@ -7,9 +7,9 @@ in numpy here: the agreed indices are the replicas' nominations (slot j of a
 variable's k goes to replica j mod 3, which names its (j // 3)-th largest
 entry; an index named twice counts once), or with ScaleCom's rule the exact
 top-k of the leader t mod 3; every replica sends its own accumulated values
-there and keeps the rest. Then the
-volume formulas behind exchange_mode="auto", the argument in both Keras
-wrappers, and a Keras fit on three replicas under "auto".
+there and keeps the rest (on 2k slots with AgreedIndexRoute(slots=2) and
+under "auto"). Then the volume formulas behind exchange_mode="auto", the
+argument in both Keras wrappers, and a Keras fit on three replicas under "auto".
 """
 
 import json
@@ -24,7 +24,8 @@ import pytest
 
 from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
 from selection_reference import nominated_indices, top_k_indices
-from tf_topk.routes import ALLGATHER_SHARE, MODE_CODES, choose_mode, mode_bytes, ring_all_reduce_bytes
+from tf_topk.routes import (ALLGATHER_SHARE, AUTO_AGREED_SLOTS, AUTO_ROUTES, MODE_CODES, choose_mode, mode_bytes,
+                            ring_all_reduce_bytes)
 
 SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
 MIN_SIZE, DENSITY, FIRST_DENSITY, REPLICAS, STEPS, NAN_STEP, MOMENTUM = 1000, 0.01, 0.6, 3, 4, 2, 0.9
@@ -35,6 +36,11 @@ DENSE = [v for v in range(len(SHAPES)) if v not in SPARSE]
 RUNS = ("ef", "ef_leader", "ef_slots2", "ef_same", "ef_buckets", "dgc", "auto_schedule")
 NAN_RUNS = ("ef", "ef_leader")  # the others get the non-finite entry as 0
 CLOSE = dict(rtol=2e-5, atol=2e-5)
+
+
+def agreed_slots(label):
+    """Agreed indices per k of a run: twice with AgreedIndexRoute(slots=2) and with "auto"."""
+    return 2 if label == "ef_slots2" else AUTO_AGREED_SLOTS if label == "auto_schedule" else 1
 
 
 def reference(data, label):
@@ -77,9 +83,8 @@ def reference(data, label):
                 indices = np.arange(n)
             elif label == "ef_leader":
                 indices = top_k_indices(accumulated[leader][slot], k)
-            else:  # "ef_slots2": twice k agreed slots
-                slots = 2 if label == "ef_slots2" else 1
-                indices = nominated_indices([accumulated[r][slot] for r in range(REPLICAS)], slots * k)
+            else:
+                indices = nominated_indices([accumulated[r][slot] for r in range(REPLICAS)], agreed_slots(label) * k)
             leader_indices.append(indices)
             for r in range(REPLICAS):
                 sent = np.zeros(n, np.float32)
@@ -135,7 +140,7 @@ def check_against_reference(results):
                 mode = "dense" if dense_step else "allreduce"
                 assert float(data[f"{prefix}/exchange_mode"]) == MODE_CODES[mode]
                 assert float(data[f"{prefix}/bytes_sent"]) == pytest.approx(
-                    expected_bytes(dense_step, 2 if label == "ef_slots2" else 1), rel=1e-6)
+                    expected_bytes(dense_step, agreed_slots(label)), rel=1e-6)
     # The leader rotates: the agreed index sets of consecutive steps differ.
     first, second = reference(results[0], "ef_leader")[:2]
     assert not np.array_equal(np.sort(first[4][0]), np.sort(second[4][0]))
@@ -207,10 +212,11 @@ def test_mode_bytes_follow_the_ring_and_all_gather_formulas():
     (2, 5_001, 10_000, "dense"),      # above 1/P at P = 2
     (3, 10, 10_000, "allgather"),     # P * k = n / 333: all_gather, more bytes than agreed indices
     (4, 156, 10_000, "allgather"),    # P * k = 624 <= n / 16 = 625
-    (4, 157, 10_000, "allreduce"),    # P * k = 628: the fewest bytes
+    (4, 157, 10_000, "allgather"),    # above n / 16, but agreed indices on 2k send as much at P = 4: the tie
+    (5, 157, 10_000, "allreduce"),    # 32k * 4/5 against all_gather's 32k: the fewest bytes
     (8, 1_000, 10_000, "allreduce"),  # all_gather would send 7x its pairs, more than dense
-    (8, 5_000, 10_000, "allreduce"),
-    (8, 5_001, 10_000, "dense"),      # the agreed indices cost more than the values: dense
+    (8, 2_500, 10_000, "allreduce"),  # k = n/4: agreed indices on 2k send what dense does
+    (8, 2_501, 10_000, "dense"),      # the agreed indices and values cost more than the values: dense
     (1024, 1, 10_000_000, "allgather"),
     (1024, 1_000, 10_000_000, "allreduce"),  # P * k = n / 9.8
 ])
@@ -218,11 +224,31 @@ def test_auto_keeps_allgather_while_small_beside_dense_then_picks_the_fewest_byt
                                                                                   expected):
     mode = choose_mode(replicas, pairs, entries)
     assert mode == expected
-    bytes_of = {m: mode_bytes(m, pairs, entries, replicas) for m in ("dense", "allgather", "allreduce")}
+    bytes_of = {m: AUTO_ROUTES[m].bytes_for_k(pairs, entries, replicas) for m in ("dense", "allgather", "allreduce")}
+    assert bytes_of["allreduce"] == 2 * mode_bytes("allreduce", pairs, entries, replicas)  # 2k agreed slots
     if replicas * pairs <= entries * ALLGATHER_SHARE:
         assert mode == "allgather" and bytes_of[mode] <= bytes_of["dense"] / 16
     else:
         assert bytes_of[mode] == min(bytes_of.values()) <= bytes_of["dense"]
+
+
+def test_auto_takes_agreed_indices_on_twice_k_slots_from_five_replicas():
+    import tensorflow as tf
+
+    from tf_topk.routes import AgreedIndexRoute, AgreedOrDenseRoute, AutoRouter, Bucket
+
+    def bucket(k, size):
+        return Bucket(positions=[0], slots=[0], sizes=[size], offsets=[0], size=size, ks=[k], shapes=[(size,)],
+                      dtypes=[tf.float32], max_pairs=k if isinstance(k, int) else size)
+
+    router = AutoRouter()
+    for replicas, expected in ((4, "allgather"), (5, "allreduce"), (8, "allreduce")):
+        route = router.route(bucket(2_000, 100_000), replicas)  # P * k > n / 16 from 4 replicas on
+        assert route.name == expected
+    assert isinstance(route, AgreedIndexRoute) and route.slots == AUTO_AGREED_SLOTS == 2
+    switch = router.route(bucket(tf.constant(1_000), 100_000), 8)  # a k tensor that may reach dense
+    assert isinstance(switch, AgreedOrDenseRoute) and switch.slots == 2 and not bool(switch.dense_when)
+    assert router.sparse_route(bucket(tf.constant(1_000), 100_000), 8).slots == 2
 
 
 def test_auto_never_sends_more_than_dense():
@@ -230,7 +256,8 @@ def test_auto_never_sends_more_than_dense():
         for entries in (1, 100, 4096, 1_000_000):
             for pairs in sorted({1, entries // 1000 or 1, entries // replicas or 1, entries // 2 or 1, entries}):
                 mode = choose_mode(replicas, pairs, entries)
-                assert mode_bytes(mode, pairs, entries, replicas) <= mode_bytes("dense", pairs, entries, replicas)
+                assert AUTO_ROUTES[mode].bytes_for_k(pairs, entries, replicas) <= \
+                    mode_bytes("dense", pairs, entries, replicas)
     assert choose_mode(4, 10, 1000, modes=("allgather", "dense")) == "allgather"
 
 

@@ -28,7 +28,7 @@ except RuntimeError:  # TensorFlow already started: the `strategies` fixture say
     pass
 
 import tf_topk  # noqa: E402
-from tf_topk.routes import MODE_CODES, choose_mode  # noqa: E402
+from tf_topk.routes import AUTO_AGREED_SLOTS, MODE_CODES, choose_mode  # noqa: E402
 from tf_topk.exchange import SparseGradient, to_dense  # noqa: E402
 
 MIN_SIZE, STEPS, MOMENTUM = 10, 4, 0.9
@@ -122,9 +122,10 @@ class Reference:
       Nesterov:            u = m*(u + g); acc = residual + u + g
     and the entries sent depend on the bucket's mode:
       allgather: r's own top-k |acc| (k = ceil(density*n) in [1, n]);
-      allreduce: the nominated indices: of each variable's k slots, slot j
-        holds replica (j mod P)'s (j // P)-th largest non-zero |acc| (none
-        if it has fewer), and every replica sends its own acc at the union;
+      allreduce: the nominated indices: of each variable's k slots (2k
+        under "auto"), slot j holds replica (j mod P)'s (j // P)-th largest
+        non-zero |acc| (none if it has fewer), and every replica sends its
+        own acc at the union;
       dense:     every entry;
       dense_bf16: every entry rounded to bfloat16 (the rounding error
         stays in the residual), summed in bfloat16 (`magnitudes`: the sum of
@@ -183,7 +184,7 @@ class Reference:
             for v in bucket:
                 accumulated = [self.accumulate(r, v, grads[r][v]) for r in range(self.replicas)]
                 k = k_of(SIZES[v], self.density)
-                agreed = nominated(accumulated, k)
+                agreed = nominated(accumulated, min(SIZES[v], AUTO_AGREED_SLOTS * k) if self.mode == "auto" else k)
                 total, magnitude = np.zeros(SIZES[v], np.float32), np.zeros(SIZES[v], np.float32)
                 for r, (acc, u) in enumerate(accumulated):
                     if mode in ("dense", "dense_bf16"):
@@ -232,9 +233,10 @@ def cells():
                 for memory in MEMORIES:
                     for layout in LAYOUTS:
                         add(replicas, mode, sparse_output, memory, layout)
-    # "auto" takes one of the paths above (allgather at P = 2, allreduce at
-    # P = 3): its choice, with one memory; and at a density where the dense
-    # all-reduce is the cheapest, where everything is sent.
+    # "auto" takes one of the paths above (all_gather at P = 2 and 3, where
+    # its agreed indices on 2k slots would send more; they are tested in
+    # test_exchange_allreduce.py): its choice, with one memory; and at a
+    # density where the dense all-reduce is the cheapest, where everything is sent.
     for replicas in (2, 3):
         for sparse_output in (False, True):
             for layout in LAYOUTS:

@@ -234,3 +234,16 @@ def test_adaptive_density_round_trips_through_keras_config():
     assert DensitySchedule(again.density).adaptive.get_config() == rule.get_config()
     assert DensitySchedule(tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density="adaptive").density).adaptive \
         .get_config() == AdaptiveDensity().get_config()
+
+
+def test_compute_per_pair_makes_the_adaptive_density_send_fewer():
+    """pair_compute_s (densifying the pairs received) counts in c1: with it, the same gradient
+    profile on a fast link gets a smaller k."""
+    rng = np.random.default_rng(3)
+    values = tf.constant((rng.standard_normal(50_000) * np.exp(rng.standard_normal(50_000))).astype(np.float32))
+    profile = tf_topk.error_feedback_topk(values, tf.zeros_like(values), 5_000, with_profile=True,
+                                          profile_density=0.1).profile
+    free = AdaptiveDensity(bandwidth_bytes_per_s=1e10, dense=False)
+    costly = AdaptiveDensity(bandwidth_bytes_per_s=1e10, dense=False, pair_compute_s=4e-7)
+    assert float(costly.choose(profile, 50_000, 8.0, None)) < float(free.choose(profile, 50_000, 8.0, None))
+    assert costly.get_config()["pair_compute_s"] == 4e-7

@@ -34,6 +34,12 @@ from tf_topk.cost import CostModel
 ASSUMED_LINK = "1gbit"
 # Largest bandwidth the adaptive density is told (a measured slope of 0: unlimited).
 MAX_BANDWIDTH_BYTES_PER_S = 1e12
+# The adaptive density's range where the autopilot sparsifies, and the density its router
+# decides the route at (the range's geometric middle): a route cannot change per step, and
+# only dense is reachable from agreed indices, so the plan settles dense or sparse once and
+# the adaptive rule chooses k within the sparse range.
+MIN_DENSITY, MAX_DENSITY = 1e-4, 0.1
+TYPICAL_DENSITY = math.sqrt(MIN_DENSITY * MAX_DENSITY)
 # Densities `advise` tabulates.
 ADVISE_DENSITIES = (0.1, 0.01, 0.001, 0.0001)
 
@@ -53,10 +59,8 @@ class Plan:
         """"dense" or "dense_bf16" where no density of the adaptive range would
         be faster than sending every entry (the faster of the two; one
         replica: dense, nothing travels), else None."""
-        from tf_topk.schedule import AdaptiveDensity
-
         entries = max(1, self.entries)
-        fewest = max(1, math.ceil(AdaptiveDensity().min_density * entries))  # the sparse end's fastest step
+        fewest = max(1, math.ceil(MIN_DENSITY * entries))  # the sparse end's fastest step
         small = self.small_entries
         sparse = min(self.model.route_time(route, fewest, entries, small) for route in ("allgather", "allreduce"))
         dense = self.model.choose(entries, 0, ("dense", "dense_bf16"), small)
@@ -67,11 +71,13 @@ class Plan:
         from tf_topk.routes import ROUTES, FixedRouter, TimedRouter
 
         dense = self.dense_route()
-        return FixedRouter(ROUTES[dense]) if dense else TimedRouter(self.model, self.small_entries)
+        return FixedRouter(ROUTES[dense]) if dense else TimedRouter(self.model, self.small_entries,
+                                                                    typical_density=TYPICAL_DENSITY)
 
     def density(self, replicas=None):
         """An AdaptiveDensity over the measured link (all-reduce latency and
-        bandwidth, selection time), or 1.0 where `dense_route()` holds.
+        bandwidth, selection time) in [MIN_DENSITY, MAX_DENSITY], without its
+        dense end (the plan chose sparse), or 1.0 where `dense_route()` holds.
         replicas: the workers its byte costs assume (default: the replicas in
         sync; set it to study a cluster from one process)."""
         from tf_topk.schedule import AdaptiveDensity
@@ -81,8 +87,10 @@ class Plan:
         link = self.model.all_reduce
         bandwidth = MAX_BANDWIDTH_BYTES_PER_S if link.seconds_per_byte == 0 else \
             min(1.0 / link.seconds_per_byte, MAX_BANDWIDTH_BYTES_PER_S)
-        return AdaptiveDensity(latency_s=link.latency_s, bandwidth_bytes_per_s=bandwidth,
-                               selection_s_per_entry=self.model.selection_s_per_entry, replicas=replicas)
+        return AdaptiveDensity(min_density=MIN_DENSITY, max_density=MAX_DENSITY, latency_s=link.latency_s,
+                               bandwidth_bytes_per_s=bandwidth, selection_s_per_entry=self.model.selection_s_per_entry,
+                               dense=False, replicas=replicas,
+                               pair_compute_s=self.model.pair_s * self.model.replicas)
 
     def describe(self):
         dense = self.dense_route()
@@ -101,15 +109,17 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     import tensorflow as tf
 
     from tf_topk.calibrate import calibrate
+    from tf_topk.routes import AUTO_AGREED_SLOTS  # agreed indices on 2k, as "auto" takes them
 
     strategy = strategy or tf.distribute.get_strategy()
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
     if tf.executing_eagerly() and outside_replicas:
         found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s)
-        result = Plan(found.model, found, entries, small_entries)
+        model = dataclasses.replace(found.model, agreed_slots=AUTO_AGREED_SLOTS)
+        result = Plan(model, found, entries, small_entries)
     else:
-        result = Plan(CostModel.from_link(strategy.num_replicas_in_sync, ASSUMED_LINK), None, entries,
-                      small_entries)
+        model = CostModel.from_link(strategy.num_replicas_in_sync, ASSUMED_LINK)
+        result = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries)
     if log:
         print(result.describe(), file=sys.stderr, flush=True)
     return result

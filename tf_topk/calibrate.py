@@ -83,11 +83,11 @@ def calibrate(strategy=None, entries=None, budget_s=2.0):
     points = {}
     for kind in ("all_reduce", "all_gather"):
         points[kind] = _time_collective(strategy, kind, largest, budget_s / 4) if replicas > 1 else []
-    selection, rounding = _time_compute(SELECTION_ENTRIES)
-    local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding]
+    selection, rounding, pair = _time_compute(SELECTION_ENTRIES)
+    local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair]
     agreed = _slowest(strategy, local)
     model = CostModel(replicas, LinkModel(agreed[0], agreed[1]), LinkModel(agreed[2], agreed[3]), agreed[4],
-                      agreed[5])
+                      agreed[5], pair_s=agreed[6])
     dense_s = dense_predicted_s = None
     if entries is not None:
         dense_predicted_s = model.route_time("dense", 0, entries)
@@ -123,13 +123,20 @@ def _collective(strategy, kind, size):
 
 def _median_call(function, repeats):
     """Median seconds of `repeats` calls, after one that traces."""
+    return _timed_calls(function, repeats)[0]
+
+
+def _timed_calls(function, repeats):
+    """(median seconds of `repeats` calls, seconds of the first call, which traces)."""
+    began = time.perf_counter()
     _block(function())
+    first = time.perf_counter() - began
     times = []
     for _ in range(repeats):
         begin = time.perf_counter()
         _block(function())
         times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    return statistics.median(times), first
 
 
 def _block(result):
@@ -145,18 +152,17 @@ def _time_collective(strategy, kind, largest, budget_s):
     Every worker must time the same sizes (the collectives pair up), so the
     decision to go on is itself agreed: the slowest worker's prediction."""
     replicas = strategy.num_replicas_in_sync
-    points, spent, size = [], 0.0, min(FIRST_ENTRIES, largest)
+    points, size, start = [], min(FIRST_ENTRIES, largest), time.perf_counter()
     while True:
-        seconds = _median_call(_collective(strategy, kind, size), REPEATS)
+        seconds, first = _timed_calls(_collective(strategy, kind, size), REPEATS)
         sent = ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size
         points.append((sent, seconds))
-        spent += (REPEATS + 1) * seconds
         following = min(size * FACTOR, largest)
         if following == size:
             break
-        predicted = (REPEATS + 1) * seconds * following / size
-        go_on = _slowest(strategy, [spent + predicted])[0] <= budget_s
-        if not go_on:
+        # The next size: its tracing (as this one's) and its calls, at most FACTOR times this size's each.
+        predicted = (time.perf_counter() - start) + first + REPEATS * seconds * following / size
+        if _slowest(strategy, [predicted])[0] > budget_s:
             break
         size = following
     if len(points) == 1:  # a line needs two sizes: the smallest again, halved
@@ -169,7 +175,8 @@ def _time_collective(strategy, kind, largest, budget_s):
 
 def _time_compute(size):
     """Seconds per entry, on this worker, of the fused error-feedback
-    selection and of the 16-bit route's rounding (with its residual)."""
+    selection and of the 16-bit route's rounding (with its residual), and
+    per pair of densifying pairs (a scatter into a bucket of `size`)."""
     rng = np.random.default_rng(0)
     gradient = tf.constant(rng.standard_normal(size).astype(np.float32))
     residual = tf.zeros([size], tf.float32)
@@ -182,7 +189,14 @@ def _time_compute(size):
         rounded = tf.cast(accumulated, tf.bfloat16)
         return (accumulated - tf.cast(rounded, tf.float32))[:1], rounded[:1]
 
-    return _median_call(select, REPEATS) / size, _median_call(round_to_bfloat16, REPEATS) / size
+    pairs = max(1, int(SELECTION_DENSITY * size))
+    indices = tf.constant(rng.integers(0, size, (pairs, 1)).astype(np.int32))
+    values = tf.constant(rng.standard_normal(pairs).astype(np.float32))
+    densify = tf.function(lambda: tf.tensor_scatter_nd_add(residual, indices, values)[:1])
+    # A scatter of few pairs still writes the bucket: what it adds per pair is its time minus that of no pairs.
+    empty = tf.function(lambda: tf.tensor_scatter_nd_add(residual, indices[:0], values[:0])[:1])
+    per_pair = max(_median_call(densify, REPEATS) - _median_call(empty, REPEATS), 0.0) / pairs
+    return _median_call(select, REPEATS) / size, _median_call(round_to_bfloat16, REPEATS) / size, per_pair
 
 
 def _slowest(strategy, values):

@@ -101,7 +101,10 @@ class CostModel:
     worker sends); selection_s_per_entry: the sparse path's compute (the
     fused error-feedback selection) per entry of a bucket;
     rounding_s_per_entry: the 16-bit route's compute (rounding to bfloat16
-    and keeping the error) per entry.
+    and keeping the error) per entry; pair_s: compute per pair a worker
+    receives and densifies (all_gather: P * k of them; agreed indices: their
+    slots); agreed_slots: agreed indices per k (`tf_topk.routes.AgreedIndexRoute`'s
+    slots).
     """
 
     replicas: int
@@ -109,12 +112,16 @@ class CostModel:
     all_gather: LinkModel
     selection_s_per_entry: float = 0.0
     rounding_s_per_entry: float = 0.0
+    agreed_slots: int = 1
+    pair_s: float = 0.0
 
     def __post_init__(self):
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas must be an int >= 1, got {self.replicas!r}")
-        for name in ("selection_s_per_entry", "rounding_s_per_entry"):
+        for name in ("selection_s_per_entry", "rounding_s_per_entry", "pair_s"):
             object.__setattr__(self, name, _check_seconds(getattr(self, name), name))
+        if isinstance(self.agreed_slots, bool) or not isinstance(self.agreed_slots, int) or self.agreed_slots < 1:
+            raise ValueError(f"agreed_slots must be an int >= 1, got {self.agreed_slots!r}")
 
     @classmethod
     def from_link(cls, replicas, link, selection_s_per_entry=DEFAULT_SELECTION_S_PER_ENTRY,
@@ -133,7 +140,7 @@ class CostModel:
         if route == "allgather":
             return (p - 1) * 8.0 * k
         if route == "allreduce":
-            return 2.0 * ring_bytes(4.0 * k, p)
+            return 2.0 * ring_bytes(4.0 * self.agreed_slots * k, p)
         raise ValueError(f"route must be one of {ROUTE_NAMES}, got {route!r}")
 
     def route_time(self, route, k, entries, small_entries=0):
@@ -146,7 +153,7 @@ class CostModel:
         num_bytes = self.bytes(route, k, entries)
         per_entry = {"allgather": self.selection_s_per_entry, "allreduce": self.selection_s_per_entry,
                      "dense_bf16": self.rounding_s_per_entry}.get(route, 0.0)
-        compute = per_entry * entries
+        compute = per_entry * entries + self.pair_s * self.pairs_received(route, k)
         if self.replicas == 1:
             return compute
         small = ring_bytes(4.0 * small_entries, self.replicas)
@@ -157,6 +164,12 @@ class CostModel:
         if route == "dense_bf16" and small_entries:
             return compute + self.all_reduce.time(num_bytes) + self.all_reduce.time(small)
         return compute + self.all_reduce.time(num_bytes + small)
+
+    def pairs_received(self, route, k):
+        """Pairs a worker densifies per step by `route`."""
+        if route == "allgather":
+            return self.replicas * k
+        return self.agreed_slots * k if route == "allreduce" else 0.0
 
     def times(self, entries, k, routes=ROUTE_NAMES, small_entries=0):
         """{route: predicted seconds} for a bucket."""
@@ -180,4 +193,5 @@ class CostModel:
         return (f"{self.replicas} workers; all-reduce {self.all_reduce.describe()}; "
                 f"all_gather {self.all_gather.describe()}; "
                 f"selection {self.selection_s_per_entry * 1e12:,.0f} us, bfloat16 rounding "
-                f"{self.rounding_s_per_entry * 1e12:,.0f} us per M entries")
+                f"{self.rounding_s_per_entry * 1e12:,.0f} us per M entries, densifying {self.pair_s * 1e12:,.0f} us "
+                f"per M pairs")

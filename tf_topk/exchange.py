@@ -46,10 +46,10 @@ import tensorflow as tf
 
 from tf_topk import autopilot, ops
 from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFAULT_MIN_SIZE: public here too)
-from tf_topk.memory import Memory, make_state_variable, memory_for
+from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable, memory_for
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
-from tf_topk.routes import (AgreedIndexRoute, AgreedOrDenseRoute, Bucket, Router, all_reduce_dense, carries,
-                            ring_all_reduce_bytes, router_for, taken_out)
+from tf_topk.routes import (MODE_CODES, AgreedIndexRoute, AgreedOrDenseRoute, Bucket, Router, all_reduce_dense,
+                            carries, ring_all_reduce_bytes, router_for, taken_out)
 from tf_topk.selector import Selector, TopKSelector
 from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401  public here too
 
@@ -144,9 +144,17 @@ class SparseExchange(tf.Module):
             self.autopilot_plan = autopilot.plan(sum(spec.size for spec in specs if spec.sparse),
                                                  sum(spec.size for spec in specs if not spec.sparse) + 1)
             self.config = self.config.replace(density=self.autopilot_plan.density())
+        given_router = router
+        if self.autopilot_plan:
             router = router or self.autopilot_plan.router()
         self.selector = _part(selector, Selector, "selector") or TopKSelector(self.config.method)
         self.memory = _part(memory, Memory, "memory") or memory_for(self.config, residuals)
+        # Where the autopilot sends every entry in float32 with plain error feedback, one all-reduce of the
+        # gradients (the residuals flushed into it) does what the dense route would, without its selection.
+        self._every_entry_as_dense = bool(
+            self.autopilot_plan and given_router is None and self.autopilot_plan.dense_route() == "dense"
+            and type(self.memory) is ErrorFeedbackMemory and not self.config.sparse_output
+            and self.config.local_clipnorm is None)
         self.router = _part(router, Router, "router") or router_for(self.config.exchange_mode)
         self.schedule = self.config.schedule
         self.adaptive = self.schedule.adaptive
@@ -218,6 +226,8 @@ class SparseExchange(tf.Module):
         """
         grads, context = self._check_call(grads)
         replicas = context.num_replicas_in_sync
+        if self._every_entry_as_dense:
+            return self._exchange_as_dense(grads, context, replicas)
         if self.memory.needs_step and step is None:
             raise ValueError(f"{type(self.memory).__name__} needs the step: call the exchange with step=... "
                              "(e.g. the optimizer's iterations)")
@@ -278,6 +288,42 @@ class SparseExchange(tf.Module):
         agreed_density = self.adaptive.agree(reduced[-1][1:], entries) if self.adaptive else None
         self._update_memory(buckets, selections, all_finite, agreed_density, at_step)
         return ExchangeResult(out, all_finite, self._stats(grads, pieces, totals, len(buckets), replicas))
+
+    def _exchange_as_dense(self, grads, context, replicas):
+        """Every gradient (a sparsified one with its residual, which is then
+        emptied) and the non-finite count summed in one all-reduce per dtype,
+        as the plain optimizer's dense all-reduce does: the autopilot's choice
+        where no density would be faster."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        flushed = {i: grads[i] + tf.cast(self.memory.residuals[self._slot[i]], grads[i].dtype)
+                   for i in present if self._specs[i].sparse}
+        sent = [flushed.get(i, grads[i]) for i in present]
+        count = tf.reshape(tf.add_n([_non_finite_count(g) for g in sent]), [1])
+        summed = all_reduce_dense(context, sent + [count])
+        all_finite = tf.equal(summed[-1][0], 0.0)
+
+        def empty_residuals():
+            for i in flushed:
+                residual = self.memory.residuals[self._slot[i]]
+                residual.assign(tf.zeros_like(residual))
+            return tf.constant(True)
+
+        if flushed:
+            tf.cond(all_finite, empty_residuals, lambda: tf.constant(False))
+        out = [None] * len(grads)
+        for i, gradient in zip(present, summed[:-1]):
+            out[i] = gradient
+        entries = float(sum(self._specs[i].size for i in flushed))
+        dense_bytes = ring_all_reduce_bytes(sum(self._specs[i].size * self._specs[i].dtype.size for i in present)
+                                            + 4.0, replicas)
+        selected = tf.constant(entries, tf.float32)
+        stats = {"density": tf.constant(1.0 if entries else 0.0, tf.float32), "selected": selected,
+                 "bytes_sent": tf.constant(dense_bytes, tf.float32),
+                 "bytes_dense": tf.constant(dense_bytes - ring_all_reduce_bytes(4.0, replicas), tf.float32),
+                 "residual_norm": tf.constant(0.0, tf.float32), "contraction": tf.constant(0.0, tf.float32),
+                 "random_k_bound": tf.constant(0.0, tf.float32),
+                 "exchange_mode": tf.constant(MODE_CODES["dense"], tf.float32)}
+        return ExchangeResult(out, all_finite, stats)
 
     def _dense_while_memory_asks(self, route, step):
         """Agreed indices send every entry on the memory's dense steps: the

@@ -217,6 +217,8 @@ class AdaptiveDensity:
       message_bytes: c0 in bytes; default latency_s * bandwidth_bytes_per_s.
       latency_s, bandwidth_bytes_per_s: the link model (default 0.5 ms, 1 Gbit/s).
       selection_s_per_entry: compute of the sparse path per entry, in seconds.
+      pair_compute_s: compute per pair sent (densifying the pairs every
+        replica receives), in seconds; added to c1 in bytes of the link.
       dense: whether the rule may choose to send everything.
       replicas: the number of workers the byte costs assume; default the
         replicas in sync. With one replica nothing travels, so the rule sends
@@ -231,7 +233,7 @@ class AdaptiveDensity:
 
     def __init__(self, min_density=1e-4, max_density=0.1, message_bytes=None, latency_s=DEFAULT_LATENCY_S,
                  bandwidth_bytes_per_s=DEFAULT_BANDWIDTH, selection_s_per_entry=DEFAULT_SELECTION_S_PER_ENTRY,
-                 dense=True, replicas=None, initial_density=None):
+                 dense=True, replicas=None, initial_density=None, pair_compute_s=0.0):
         self.min_density = _check_density(min_density, "min_density")
         self.max_density = _check_density(max_density, "max_density")
         if self.min_density > self.max_density:
@@ -242,6 +244,7 @@ class AdaptiveDensity:
                               else _check_positive(message_bytes, "message_bytes", allow_zero=True))
         self.selection_s_per_entry = _check_positive(selection_s_per_entry, "selection_s_per_entry",
                                                      allow_zero=True)
+        self.pair_compute_s = _check_positive(pair_compute_s, "pair_compute_s", allow_zero=True)
         self.dense = bool(dense)
         if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1):
             raise ValueError(f"replicas must be None or an int >= 1, got {replicas!r}")
@@ -295,7 +298,8 @@ class AdaptiveDensity:
         inside = tf.clip_by_value((covered - tf.gather(above_k, bin_of_k))
                                   / tf.maximum(tf.gather(counts, bin_of_k), 1.0), 0.0, 1.0)
         gain = tf.gather(above_e, bin_of_k) + inside * tf.gather(energy, bin_of_k)
-        ratio = gain / (self.fixed_bytes(entries) + pair_bytes * grid)
+        per_pair = pair_bytes + self.pair_compute_s * self.bandwidth_bytes_per_s
+        ratio = gain / (self.fixed_bytes(entries) + per_pair * grid)
         best = tf.cast(tf.argmax(ratio), tf.int32)
         if dense_bytes is None or not self.dense:
             return best
@@ -324,6 +328,7 @@ class AdaptiveDensity:
         config = {"min_density": self.min_density, "max_density": self.max_density,
                   "latency_s": self.latency_s, "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
                   "selection_s_per_entry": self.selection_s_per_entry, "dense": self.dense,
+                  "pair_compute_s": self.pair_compute_s,
                   "replicas": self.replicas, "initial_density": self.initial_density}
         if self._explicit_message_bytes:
             config["message_bytes"] = self.message_bytes

@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from tf_topk.routes import MODE_CODES, choose_mode, dense_path_bytes, mode_bytes, ring_all_reduce_bytes
+from tf_topk.routes import AUTO_ROUTES, MODE_CODES, choose_mode, dense_path_bytes, mode_bytes, ring_all_reduce_bytes
 
 MODES = ("allgather", "allreduce", "auto")
 PROJECTED = (16, 32, 64, 128, 256, 512, 1024)
@@ -96,7 +96,7 @@ def projection(replicas, size, small, density):
     for mode in ("allgather", "allreduce"):
         row[mode] = mode_bytes(mode, pairs, entries, replicas) + small_bytes(mode, small, replicas)
     auto = choose_mode(replicas, pairs, entries)
-    row["auto"] = mode_bytes(auto, pairs, entries, replicas) + small_bytes(auto, small, replicas)
+    row["auto"] = AUTO_ROUTES[auto].bytes_for_k(pairs, entries, replicas) + small_bytes(auto, small, replicas)
     row["auto_mode"] = auto
     return row
 

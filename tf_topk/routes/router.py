@@ -26,6 +26,15 @@ DENSE_CARRY_BYTES = 64 * 1024
 # "Agreed indices at 4 replicas").
 ALLGATHER_SHARE = 1.0 / 16
 
+# Where "auto" takes agreed indices it agrees on twice k indices per variable:
+# at 8 replicas and density 0.01 agreed indices on k lost 1.8 points against
+# all_gather on the synthetic task, on 2k they gained 1.2 (benchmarks/RESULTS.md,
+# "Remedy 3"), for 32k(P-1)/P bytes per worker, still flat in P, and fewer than
+# all_gather's (P-1) * 8k from 5 replicas on (the same at 4: all_gather keeps the tie).
+AUTO_AGREED_SLOTS = 2
+AUTO_ROUTES = {"allgather": ROUTES["allgather"], "allreduce": AgreedIndexRoute(slots=AUTO_AGREED_SLOTS),
+               "dense": ROUTES["dense"]}
+
 
 def mode_bytes(mode, pairs, entries, replicas):
     """Bytes a worker sends per step to exchange one bucket of `entries`
@@ -44,12 +53,13 @@ def mode_bytes(mode, pairs, entries, replicas):
 
 
 def choose_mode(replicas, pairs, entries, modes=MODES):
-    """The route name among `modes` for a bucket of `entries` entries with
-    `pairs` selected pairs at `replicas` replicas: allgather while it sends at
-    most ALLGATHER_SHARE of the dense all-reduce's bytes, else whichever sends
-    the fewest bytes (ties: the earlier of allgather, allreduce, dense: each
-    replica's own top-k is the better selection, and the sparse routes keep
-    residuals). Never more bytes than dense.
+    """The route name among `modes` for a bucket of `entries` entries whose
+    variables select `pairs` pairs at `replicas` replicas, by "auto"'s routes
+    (`AUTO_ROUTES`: agreed indices on AUTO_AGREED_SLOTS * k): allgather while
+    it sends at most ALLGATHER_SHARE of the dense all-reduce's bytes, else
+    whichever sends the fewest bytes (ties: the earlier of allgather,
+    allreduce, dense: each replica's own top-k is the better selection, and
+    the sparse routes keep residuals). Never more bytes than dense.
 
     >>> choose_mode(4, pairs=16, entries=16_384)     # P * k = n / 256
     'allgather'
@@ -59,10 +69,13 @@ def choose_mode(replicas, pairs, entries, modes=MODES):
     order = [m for m in ("allgather", "allreduce", "dense") if m in modes]
     if not order:
         raise ValueError(f"modes must hold at least one of {MODES}, got {modes!r}")
-    if "allgather" in order and mode_bytes("allgather", pairs, entries, replicas) <= (
-            ALLGATHER_SHARE * mode_bytes("dense", pairs, entries, replicas)):
+
+    def sent(mode):
+        return AUTO_ROUTES[mode].bytes_for_k(pairs, entries, replicas)
+
+    if "allgather" in order and sent("allgather") <= ALLGATHER_SHARE * sent("dense"):
         return "allgather"
-    return min(order, key=lambda m: mode_bytes(m, pairs, entries, replicas))
+    return min(order, key=sent)
 
 
 def carries(route, entries, replicas):
@@ -108,7 +121,9 @@ class Router(abc.ABC):
     def sparse_route(self, bucket, replicas):
         """The route the adaptive density's byte costs assume for pairs."""
         route = self.route(bucket, replicas)
-        return AgreedIndexRoute() if isinstance(route, (AgreedOrDenseRoute, DenseRoute)) else route
+        if isinstance(route, AgreedOrDenseRoute):
+            return AgreedIndexRoute(route.agreement, route.slots)
+        return AgreedIndexRoute() if isinstance(route, DenseRoute) else route
 
 
 class FixedRouter(Router):
@@ -130,11 +145,12 @@ class FixedRouter(Router):
 
 class AutoRouter(Router):
     """Per bucket, the route `choose_mode` picks: all_gather while P * k <=
-    n / 16 (and at P <= 2, where it never sends more than agreed indices),
-    else the fewest bytes: agreed indices, or dense once k > n/2 (k > n/P at
-    P = 2). Decided when traced; with a k
-    tensor (scheduled or adaptive density) whose largest value can reach the
-    dense side, per step (`AgreedOrDenseRoute`). Never more bytes than dense."""
+    n / 16, else the fewest bytes: agreed indices on 2k slots
+    (AUTO_AGREED_SLOTS; from 5 replicas on, below that all_gather sends no
+    more), or dense once k > n/4 (k > n/P at P = 2). Decided when traced;
+    with a k tensor (scheduled or adaptive density) whose largest value can
+    reach the dense side, per step (`AgreedOrDenseRoute`). Never more bytes
+    than dense."""
 
     uses_leader = False  # its agreed indices are nominated
     can_go_dense = True
@@ -143,13 +159,15 @@ class AutoRouter(Router):
         if replicas == 1:
             return ROUTES["allgather"]
         if all(isinstance(k, int) for k in bucket.ks):
-            return ROUTES[choose_mode(replicas, sum(bucket.ks), bucket.size)]
+            return AUTO_ROUTES[choose_mode(replicas, sum(bucket.ks), bucket.size)]
         sparse = choose_mode(replicas, bucket.max_pairs, bucket.size, ("allgather", "allreduce"))
         dense_bytes = mode_bytes("dense", bucket.max_pairs, bucket.size, replicas)
-        if mode_bytes(sparse, bucket.max_pairs, bucket.size, replicas) <= dense_bytes:
-            return ROUTES[sparse]
+        if AUTO_ROUTES[sparse].bytes_for_k(bucket.max_pairs, bucket.size, replicas) <= dense_bytes:
+            return AUTO_ROUTES[sparse]
         pairs = tf.add_n([tf.cast(k, tf.float32) for k in bucket.ks])
-        return AgreedOrDenseRoute(mode_bytes("allreduce", pairs, bucket.size, replicas) > dense_bytes)
+        agreed = AUTO_ROUTES["allreduce"]
+        return AgreedOrDenseRoute(agreed.bytes_for_k(pairs, bucket.size, replicas) > dense_bytes,
+                                  slots=agreed.slots)
 
     def __repr__(self):
         return "AutoRouter()"
@@ -157,13 +175,15 @@ class AutoRouter(Router):
 
 class TimedRouter(Router):
     """Per bucket, the route a `tf_topk.cost.CostModel` predicts fastest
-    (`CostModel.choose`: dense, dense_bf16, all_gather or agreed indices,
-    all_gather kept unless agreed indices are clearly faster), from measured
-    seconds (`tf_topk.calibrate`) instead of bytes. Decided when traced;
-    with a k tensor (scheduled or adaptive density), the sparse route
-    fastest at the largest k, switched to dense per step where agreed
-    indices would be slower (`AgreedOrDenseRoute`). small_entries: the
-    dense-path entries that travel beside the buckets.
+    (`CostModel.choose`: dense, dense_bf16, all_gather or agreed indices on
+    the model's `agreed_slots` * k, all_gather kept unless agreed indices are
+    clearly faster), from measured seconds (`tf_topk.calibrate`) instead of
+    bytes. Decided when traced. With a k tensor (scheduled or adaptive
+    density) the sparse route is the fastest at `typical_density` (default:
+    the largest k), and only agreed indices can switch to dense per step
+    (`AgreedOrDenseRoute`), taken where the largest k would be slower than
+    dense. small_entries: the dense-path entries that travel beside the
+    buckets.
 
     >>> model = tf_topk.calibrate.calibrate(strategy, entries=n).model
     >>> exchange = tf_topk.SparseExchange(variables, density=0.01, router=TimedRouter(model))
@@ -172,31 +192,37 @@ class TimedRouter(Router):
     uses_leader = False
     can_go_dense = True
 
-    def __init__(self, cost_model, small_entries=0):
+    def __init__(self, cost_model, small_entries=0, typical_density=None):
         from tf_topk.cost import CostModel
 
         if not isinstance(cost_model, CostModel):
             raise TypeError(f"cost_model must be a tf_topk.cost.CostModel, got {type(cost_model).__name__}")
         self.cost_model = cost_model
         self.small_entries = small_entries
+        self.typical_density = typical_density
+        self._routes = {**ROUTES, "allreduce": AgreedIndexRoute(slots=cost_model.agreed_slots)}
 
     def route(self, bucket, replicas):
         if replicas == 1:
             return ROUTES["allgather"]
         model, small = self._model(replicas), self.small_entries
         if all(isinstance(k, int) for k in bucket.ks):
-            return ROUTES[model.choose(bucket.size, sum(bucket.ks), small_entries=small)]
-        sparse = model.choose(bucket.size, bucket.max_pairs, ("allgather", "allreduce"), small)
+            return self._routes[model.choose(bucket.size, sum(bucket.ks), small_entries=small)]
+        typical = bucket.max_pairs if self.typical_density is None else \
+            max(1, min(bucket.max_pairs, round(self.typical_density * bucket.size)))
+        sparse = model.choose(bucket.size, typical, ("allgather", "allreduce"), small)
         dense_s = model.route_time("dense", 0, bucket.size, small)
         if model.route_time(sparse, bucket.max_pairs, bucket.size, small) <= dense_s:
-            return ROUTES[sparse]
+            return self._routes[sparse]
         pairs = tf.add_n([tf.cast(k, tf.float32) for k in bucket.ks])
-        return AgreedOrDenseRoute(model.route_time("allreduce", pairs, bucket.size, small) > dense_s)
+        return AgreedOrDenseRoute(model.route_time("allreduce", pairs, bucket.size, small) > dense_s,
+                                  slots=model.agreed_slots)
 
     def sparse_route(self, bucket, replicas):
         route = self.route(bucket, replicas)
-        return route if route.name in ("allgather", "allreduce") and not isinstance(route, AgreedOrDenseRoute) \
-            else AgreedIndexRoute()
+        if isinstance(route, AgreedOrDenseRoute):
+            return AgreedIndexRoute(route.agreement, route.slots)
+        return route if route.name in ("allgather", "allreduce") else self._routes["allreduce"]
 
     def _model(self, replicas):
         """The cost model at `replicas` (the calibrated one, or its links at another count)."""
