@@ -69,8 +69,9 @@ def calibrate(strategy=None, entries=None, budget_s=2.0):
     entries: the gradient entries the model exchanges: collectives are timed
       up to that size (not beyond what a step sends) and the dense
       all-reduce of exactly that many is measured when it fits the budget.
-    budget_s: a bound on the calibration's time (the collectives get at most
-      half each; a size whose predicted time would overrun is not timed).
+    budget_s: a bound on the calibration's time (the calls of each collective
+      get at most a third; a size whose predicted time would overrun is not
+      timed; the one trace per collective comes on top).
     """
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
         raise ValueError(f"budget_s must be a number > 0, got {budget_s!r}")
@@ -82,7 +83,7 @@ def calibrate(strategy=None, entries=None, budget_s=2.0):
     largest = entries or (1 << 22)
     points = {}
     for kind in ("all_reduce", "all_gather"):
-        points[kind] = _time_collective(strategy, kind, largest, budget_s / 4) if replicas > 1 else []
+        points[kind] = _time_collective(strategy, kind, largest, budget_s / 3) if replicas > 1 else []
     selection, rounding, pair = _time_compute(SELECTION_ENTRIES)
     local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair]
     agreed = _slowest(strategy, local)
@@ -93,7 +94,7 @@ def calibrate(strategy=None, entries=None, budget_s=2.0):
         dense_predicted_s = model.route_time("dense", 0, entries)
         elapsed = time.perf_counter() - start
         if replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
-            dense_s = _slowest(strategy, [_median_call(_collective(strategy, "all_reduce", entries), 2)])[0]
+            dense_s = _slowest(strategy, [_median_call(_of_size(_collective(strategy, "all_reduce"), entries), 2)])[0]
     return Calibration(model, points, entries, dense_s, dense_predicted_s, time.perf_counter() - start)
 
 
@@ -105,20 +106,28 @@ def _line(points):
     return link.latency_s, link.seconds_per_byte
 
 
-def _collective(strategy, kind, size):
-    """A traced function running one `kind` collective of `size` float32 entries per replica."""
-    @tf.function
-    def run():
+def _collective(strategy, kind):
+    """A function running one `kind` collective of its float32 [n] argument on every replica, traced
+    once for every n (each size would otherwise cost a trace, which on a busy worker outweighs the
+    collectives timed)."""
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def run(buffer):
         def replica_fn():
             context = tf.distribute.get_replica_context()
-            buffer = tf.fill([size], tf.cast(context.replica_id_in_sync_group, tf.float32))
+            local = tf.identity(buffer)  # on the replica's device
             if kind == "all_reduce":
-                return context.all_reduce(tf.distribute.ReduceOp.SUM, buffer)[:1]
-            return context.all_gather(buffer, axis=0)[:1]
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, local)[:1]
+            return context.all_gather(local, axis=0)[:1]
 
         return strategy.run(replica_fn)
 
     return run
+
+
+def _of_size(function, size):
+    """`function` called on a buffer of `size` entries."""
+    buffer = tf.ones([size], tf.float32)
+    return lambda: function(buffer)
 
 
 def _median_call(function, repeats):
@@ -147,27 +156,30 @@ def _block(result):
 
 def _time_collective(strategy, kind, largest, budget_s):
     """[(bytes a worker sends, median seconds)] for sizes FIRST_ENTRIES, x FACTOR,
-    ... up to `largest`, while the next size's predicted time fits `budget_s`.
+    ... up to `largest`, while the calls of the next size are predicted to fit
+    `budget_s` (the one trace of the function is not counted).
 
     Every worker must time the same sizes (the collectives pair up), so the
     decision to go on is itself agreed: the slowest worker's prediction."""
     replicas = strategy.num_replicas_in_sync
-    points, size, start = [], min(FIRST_ENTRIES, largest), time.perf_counter()
+    points, size, spent = [], min(FIRST_ENTRIES, largest), 0.0
+    collective = _collective(strategy, kind)
     while True:
-        seconds, first = _timed_calls(_collective(strategy, kind, size), REPEATS)
+        seconds, first = _timed_calls(_of_size(collective, size), REPEATS)
+        spent += REPEATS * seconds + (first if points else seconds)  # the first size's first call traces
         sent = ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size
         points.append((sent, seconds))
         following = min(size * FACTOR, largest)
         if following == size:
             break
-        # The next size: its tracing (as this one's) and its calls, at most FACTOR times this size's each.
-        predicted = (time.perf_counter() - start) + first + REPEATS * seconds * following / size
+        # The next size: its calls, at most FACTOR times this size's each.
+        predicted = spent + (REPEATS + 1) * seconds * following / size
         if _slowest(strategy, [predicted])[0] > budget_s:
             break
         size = following
     if len(points) == 1:  # a line needs two sizes: the smallest again, halved
         size = max(1, size // 2)
-        half = _median_call(_collective(strategy, kind, size), REPEATS)
+        half = _median_call(_of_size(collective, size), REPEATS)
         points.append((ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size,
                        half))
     return points
