@@ -170,6 +170,9 @@ def test_timed_router_takes_the_predicted_fastest_route_per_bucket():
     assert TimedRouter(link, typical_density=0.001).route(bucket([tf.constant(1_000)], WIDE, WIDE // 10), 4) \
         is ROUTES["allgather"]
     assert TimedRouter(link).route(bucket([tf.constant(1_000)], WIDE, WIDE // 10), 4).name == "allreduce"
+    # Settled on sparse (a typical density given): never the per-step switch to dense, whatever the largest k.
+    assert TimedRouter(link, typical_density=0.001).route(bucket([tf.constant(1_000)], WIDE, WIDE), 4) \
+        is ROUTES["allgather"]
     with pytest.raises(TypeError, match="cost_model must be a tf_topk.cost.CostModel, got str"):
         TimedRouter("1gbit")
 

@@ -179,11 +179,12 @@ class TimedRouter(Router):
     the model's `agreed_slots` * k, all_gather kept unless agreed indices are
     clearly faster), from measured seconds (`tf_topk.calibrate`) instead of
     bytes. Decided when traced. With a k tensor (scheduled or adaptive
-    density) the sparse route is the fastest at `typical_density` (default:
-    the largest k), and only agreed indices can switch to dense per step
-    (`AgreedOrDenseRoute`), taken where the largest k would be slower than
-    dense. small_entries: the dense-path entries that travel beside the
-    buckets.
+    density): given a `typical_density` (the caller settled on sparse, as the
+    autopilot's plan does), the sparse route fastest at that density;
+    otherwise the sparse route fastest at the largest k, or, where that would
+    be slower than dense, agreed indices that switch to dense per step
+    (`AgreedOrDenseRoute`: only agreed indices can). small_entries: the
+    dense-path entries that travel beside the buckets.
 
     >>> model = tf_topk.calibrate.calibrate(strategy, entries=n).model
     >>> exchange = tf_topk.SparseExchange(variables, density=0.01, router=TimedRouter(model))
@@ -208,9 +209,10 @@ class TimedRouter(Router):
         model, small = self._model(replicas), self.small_entries
         if all(isinstance(k, int) for k in bucket.ks):
             return self._routes[model.choose(bucket.size, sum(bucket.ks), small_entries=small)]
-        typical = bucket.max_pairs if self.typical_density is None else \
-            max(1, min(bucket.max_pairs, round(self.typical_density * bucket.size)))
-        sparse = model.choose(bucket.size, typical, ("allgather", "allreduce"), small)
+        if self.typical_density is not None:  # sparse was settled (the autopilot's plan): at a typical k
+            typical = max(1, min(bucket.max_pairs, round(self.typical_density * bucket.size)))
+            return self._routes[model.choose(bucket.size, typical, ("allgather", "allreduce"), small)]
+        sparse = model.choose(bucket.size, bucket.max_pairs, ("allgather", "allreduce"), small)
         dense_s = model.route_time("dense", 0, bucket.size, small)
         if model.route_time(sparse, bucket.max_pairs, bucket.size, small) <= dense_s:
             return self._routes[sparse]
