@@ -110,6 +110,55 @@ def test_plan_goes_dense_only_where_no_density_would_be_faster():
     assert Plan(CostModel.from_link(4, "1gbit"), None, 200_000).dense_route() is None
 
 
+def test_a_close_call_is_decided_by_the_steps_timed_whole():
+    from tf_topk.autopilot import Plan
+    from tf_topk.calibrate import Calibration
+    from tf_topk.routes import ROUTES, FixedRouter, TimedRouter
+
+    # 1 Gbit/s, 200,000 entries: the line predicts the sparse step faster (the test above).
+    model = CostModel.from_link(4, "1gbit")
+    assert Plan(model, None, 200_000).dense_route() is None
+
+    def timed(dense_s, sparse_s):
+        return Plan(model, Calibration(model, {}, 200_000, dense_s, 4.8e-3, 2.0, sparse_s, 1.3e-3, 633), 200_000)
+
+    # Timed whole, the sparse step was the slower: every entry goes in one all-reduce.
+    slower = timed(dense_s=9e-3, sparse_s=12e-3)
+    assert slower.dense_route() == "dense" and slower.density() == 1.0
+    assert isinstance(slower.router(), FixedRouter) and slower.router().route(None, 4) is ROUTES["dense"]
+    assert "top-633 step by all_gather 12.0 ms (predicted 1.3 ms)" in slower.describe()
+    # Timed whole and faster: sparse, as predicted.
+    faster = timed(dense_s=9e-3, sparse_s=7e-3)
+    assert faster.dense_route() is None and isinstance(faster.router(), TimedRouter)
+    # Only the dense step timed (no trial): the line decides.
+    assert timed(dense_s=9e-3, sparse_s=None).dense_route() is None
+    assert faster.max_density() == 0.1  # one sparse size timed: no slope, the whole range
+
+
+def test_two_timed_sparse_steps_cap_the_range_where_a_step_would_reach_dense():
+    from tf_topk.autopilot import MAX_DENSITY, MIN_DENSITY, Plan
+    from tf_topk.calibrate import Calibration
+
+    model = CostModel.from_link(4, "1gbit")
+    n = 200_000
+    # 633 pairs: 7 ms; 20,000 pairs: 26.367 ms, so each further pair 1 us; dense 9 ms: room for 2,000 more.
+    found = Calibration(model, {}, n, 9e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 633, 26.367e-3, 20_000)
+    assert found.pair_slope_s() == pytest.approx(1e-6)
+    plan = Plan(model, found, n)
+    assert plan.dense_route() is None and plan.max_density() == pytest.approx(2_633 / n)
+    density = plan.density()
+    assert density.max_density == pytest.approx(2_633 / n) and density.min_density == MIN_DENSITY
+    # Each pair's compute: the measured 1 us less its 24 bytes at 1 Gbit/s.
+    assert density.pair_compute_s == pytest.approx(1e-6 - 24 / 1.25e8)
+    assert "adaptive density up to 0.0132" in plan.describe()
+    # Pairs that cost nothing more, or a dense step barely slower: the whole range, or its bottom.
+    free = Calibration(model, {}, n, 9e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 633, 7e-3, 20_000)
+    assert Plan(model, free, n).max_density() == MAX_DENSITY
+    assert free.pair_slope_s() == 0.0 and Plan(model, free, n).density().pair_compute_s == model.pair_s * 4
+    tight = Calibration(model, {}, n, 7e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 10, 26.367e-3, 20_000)
+    assert Plan(model, tight, n).max_density() == MIN_DENSITY
+
+
 def test_autopilot_is_a_density_that_saves_as_itself():
     import keras
 

@@ -248,6 +248,7 @@ def test_several_replicas_per_run_exchange_by_the_mode_asked(tmp_path):
     (("--agreement", "leader"), "--agreement leader needs --exchange-mode allreduce, got auto"),
     (("--agreed-slots", "2"), "--agreed-slots 2 needs --exchange-mode allreduce, got auto"),
     (("--autopilot",), "--autopilot plans for a stated link: give --time-links"),
+    (("--time-plot", "t.png"), "--time-plot draws the charged time: give --time-links"),
     (("--time-links", "1gbit,fast"), "links must be comma-separated rates such as 100mbit,1gbit, got '1gbit,fast'"),
 ])
 def test_bad_arguments_are_refused_before_training(args, message):
@@ -256,14 +257,16 @@ def test_bad_arguments_are_refused_before_training(args, message):
     assert re.search(message, proc.stderr), proc.stderr[-2000:]
 
 
-def test_time_to_accuracy_charges_each_step_its_predicted_exchange():
+def test_time_to_accuracy_charges_each_step_its_predicted_exchange(tmp_path):
     """Two epochs of digits, one seed: every step of dense costs the measured compute plus a ring all-reduce
     of every parameter at 100 Mbit/s and 4 workers; top-k's its selection and pairs; the autopilot runs
     the plan for each stated link."""
     proc = run_convergence("--epochs", "2", "--seeds", "1", "--densities", "0.001", "--methods", "topk_ef",
-                           "--time-links", "100mbit,10gbit", "--autopilot", "--json")
+                           "--time-links", "100mbit,10gbit", "--autopilot", "--json",
+                           "--time-plot", str(tmp_path / "time.png"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
+    assert result["time_plot"] == str(tmp_path / "time.png") and (tmp_path / "time.png").stat().st_size > 10_000
     timing = result["time_to_accuracy"]
     dense, topk, pilot_slow, pilot_fast = result["configs"]
     assert [r["label"] for r in (pilot_slow, pilot_fast)] == ["autopilot (100mbit)", "autopilot (10gbit)"]

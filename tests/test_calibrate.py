@@ -110,13 +110,37 @@ def test_calibration_under_mirrored_strategy(tmp_path):
     proc = subprocess.run([sys.executable, str(WORKERS_DIR / "calibrate_worker.py"), str(tmp_path), "local:2"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    _check_found(_read(tmp_path, 0), 2)
+    found = _read(tmp_path, 0)
+    _check_found(found, 2)
+    assert found["sparse_s"] is None and found["trial_k"] is None  # no trial asked for
+
+
+def _check_trial(found):
+    """Both steps timed whole: k of the trial's density, the line says what was measured."""
+    assert (found["trial_k"], found["trial_max_k"]) == (900, 9_000)  # ceil(0.003 and 0.03 * 300,000)
+    assert found["dense_s"] > 0 and found["sparse_s"] > 0 and found["sparse_max_s"] > 0
+    assert found["sparse_predicted_s"] > 0
+    assert "top-900 step by all_gather" in found["line"] and "dense all-reduce of 300,000 entries" in found["line"]
+    assert "top-9,000 " in found["line"]
+
+
+def test_the_trial_times_both_steps_whole_under_mirrored_strategy(tmp_path):
+    env = {**os.environ, **worker_env()}
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "calibrate_worker.py"), str(tmp_path), "local:2",
+                           "trial"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _check_trial(_read(tmp_path, 0))
 
 
 def test_two_workers_agree_on_the_slowest_numbers(tmp_path):
-    assert_ok(run_script("calibrate_worker.py", str(tmp_path), "workers"))
+    assert_ok(run_script("calibrate_worker.py", str(tmp_path), "workers", "trial"))
     first, second = _read(tmp_path, 0), _read(tmp_path, 1)
     _check_found(first, 2)
+    _check_trial(first)
+    # The trial's times are the slowest worker's, the same on both.
+    assert [first[key] for key in ("dense_s", "sparse_s", "sparse_max_s")] == \
+        [second[key] for key in ("dense_s", "sparse_s", "sparse_max_s")]
     # Each worker timed its own calls, yet both hold the same model: the larger of each number.
     assert first["model"] == second["model"]
     for kind in ("all_reduce", "all_gather"):

@@ -7,7 +7,8 @@ collectives and the selection under the strategy in use
 exchange its parts. Where sending every entry (dense, or bfloat16 when
 that is faster) is predicted to beat even the sparsest step of the adaptive
 range, every step goes that way: no selection is spent (a fast link with a
-small model; the residuals stay empty). Otherwise a `TimedRouter` (per
+small model; the residuals stay empty). Where the prediction is a close
+call, the calibration times both steps whole and the faster one is taken. Otherwise a `TimedRouter` (per
 bucket: dense, 16-bit dense, all_gather or agreed indices, whichever is
 predicted fastest) and an `AdaptiveDensity` whose link is the measured one
 (Khirirat et al.'s most improvement per unit of cost, in the measured
@@ -58,7 +59,13 @@ class Plan:
     def dense_route(self):
         """"dense" or "dense_bf16" where no density of the adaptive range would
         be faster than sending every entry (the faster of the two; one
-        replica: dense, nothing travels), else None."""
+        replica: dense, nothing travels), else None. Where the calibration
+        timed both steps whole (a close call), the measured times decide:
+        "dense" where its all-reduce was no slower than the sparse step."""
+        trial = None if self.calibration is None else self.calibration.trial()
+        if trial is not None:
+            dense_s, sparse_s = trial
+            return "dense" if dense_s <= sparse_s else None
         entries = max(1, self.entries)
         fewest = max(1, math.ceil(MIN_DENSITY * entries))  # the sparse end's fastest step
         small = self.small_entries
@@ -76,10 +83,12 @@ class Plan:
 
     def density(self, replicas=None):
         """An AdaptiveDensity over the measured link (all-reduce latency and
-        bandwidth, selection time) in [MIN_DENSITY, MAX_DENSITY], without its
-        dense end (the plan chose sparse), or 1.0 where `dense_route()` holds.
-        replicas: the workers its byte costs assume (default: the replicas in
-        sync; set it to study a cluster from one process)."""
+        bandwidth, selection time) in [MIN_DENSITY, max_density()], without
+        its dense end (the plan chose sparse), or 1.0 where `dense_route()`
+        holds. What a pair costs beyond its bytes is the measured densifying,
+        or, where the trial timed two sparse steps, what a further pair added
+        to them. replicas: the workers its byte costs assume (default: the
+        replicas in sync; set it to study a cluster from one process)."""
         from tf_topk.schedule import AdaptiveDensity
 
         if self.dense_route():
@@ -87,14 +96,33 @@ class Plan:
         link = self.model.all_reduce
         bandwidth = MAX_BANDWIDTH_BYTES_PER_S if link.seconds_per_byte == 0 else \
             min(1.0 / link.seconds_per_byte, MAX_BANDWIDTH_BYTES_PER_S)
-        return AdaptiveDensity(min_density=MIN_DENSITY, max_density=MAX_DENSITY, latency_s=link.latency_s,
+        pair_compute_s = self.model.pair_s * self.model.replicas
+        slope = None if self.calibration is None else self.calibration.pair_slope_s()
+        if slope is not None:  # the timed step's slope holds the pair's bytes too
+            pair_bytes = (self.model.replicas - 1) * 8.0
+            pair_compute_s = max(pair_compute_s, slope - pair_bytes / bandwidth)
+        return AdaptiveDensity(min_density=MIN_DENSITY, max_density=self.max_density(), latency_s=link.latency_s,
                                bandwidth_bytes_per_s=bandwidth, selection_s_per_entry=self.model.selection_s_per_entry,
-                               dense=False, replicas=replicas,
-                               pair_compute_s=self.model.pair_s * self.model.replicas)
+                               dense=False, replicas=replicas, pair_compute_s=pair_compute_s)
+
+    def max_density(self):
+        """The top of the sparse range: MAX_DENSITY, or where the trial timed
+        two sparse steps, the density whose step the line through them puts
+        at the dense step's time (never a step slower than dense), within
+        [MIN_DENSITY, MAX_DENSITY]."""
+        calibration = self.calibration
+        slope = None if calibration is None else calibration.pair_slope_s()
+        if not slope:
+            return MAX_DENSITY
+        dense_s, sparse_s = calibration.trial()
+        k = calibration.trial_k + max(0.0, dense_s - sparse_s) / slope
+        return min(MAX_DENSITY, max(MIN_DENSITY, k / max(1, self.entries)))
 
     def describe(self):
         dense = self.dense_route()
-        choice = f"; every entry, {dense}" if dense else "; routes by time, adaptive density"
+        top = self.max_density()
+        choice = f"; every entry, {dense}" if dense else "; routes by time, adaptive density" + \
+            (f" up to {top:.3g}" if top < MAX_DENSITY else "")
         if self.calibration is not None:
             return f"tf_topk autopilot: {self.calibration.describe()}{choice}"
         return (f"tf_topk autopilot: nothing measured (the exchange was made in a traced function or a replica "
@@ -114,7 +142,9 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     strategy = strategy or tf.distribute.get_strategy()
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
     if tf.executing_eagerly() and outside_replicas:
-        found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s)
+        found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
+                          trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
+                          profile_density=MAX_DENSITY)
         model = dataclasses.replace(found.model, agreed_slots=AUTO_AGREED_SLOTS)
         result = Plan(model, found, entries, small_entries)
     else:

@@ -4,6 +4,14 @@
 all-reduce and an all_gather of a few sizes (Hockney's line through them),
 the fused error-feedback selection on this worker, and the dense all-reduce
 of `entries` float32 entries (the model's gradients) when that is affordable.
+Where the line predicts the dense step and a sparse one (`trial_density`)
+within CLOSE_CALL of each other, both steps are timed whole on the model's
+size (the trial): the selection with its profile, the all_gather of the
+pairs, the densifying, against the dense all-reduce, under the load of every
+worker at once; what the line leaves out (the work around the collectives on
+a busy worker) then decides, not the line. A second sparse step at
+`trial_max_density` gives what each further pair costs, measured
+(`Calibration.pair_slope_s`).
 Every worker measures; the slowest decides: the numbers travel in one small
 all_gather (their maximum), so every replica builds the same `tf_topk.cost.CostModel`
 and makes the same choices. The work is bounded by `budget_s` (sizes grow
@@ -16,6 +24,7 @@ geometrically and stop when the next would not fit).
 """
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -33,6 +42,11 @@ REPEATS = 5
 # Entries the selection and the rounding are timed on (throughput), and the selection's density.
 SELECTION_ENTRIES = 1 << 20
 SELECTION_DENSITY = 0.01
+# The trial times the dense and the sparse step whole where the line predicts neither
+# this many times faster than the other (farther apart, the line's error cannot flip the choice).
+CLOSE_CALL = 3.0
+# Timed calls of each trial step (the median is kept), after one that traces.
+TRIAL_REPEATS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +55,12 @@ class Calibration:
 
     model: the CostModel every replica agreed on; points: {"all_reduce" |
     "all_gather": [(bytes a worker sent, median seconds), ...]} on this
-    worker; dense_s: the measured dense all-reduce of `entries` (None when
-    not measured); dense_predicted_s: the model's prediction of it; seconds:
-    the calibration's own wall time.
+    worker; dense_s: the measured dense all-reduce of `entries` (and the
+    small entries beside them; None when not measured); dense_predicted_s:
+    the model's prediction of it; sparse_s: the measured sparse step of the
+    trial (trial_k pairs of `entries` by all_gather; None when not measured)
+    and sparse_predicted_s; sparse_max_s: the same step with trial_max_k
+    pairs (None when not measured); seconds: the calibration's own wall time.
     """
 
     model: CostModel
@@ -52,16 +69,38 @@ class Calibration:
     dense_s: float
     dense_predicted_s: float
     seconds: float
+    sparse_s: float = None
+    sparse_predicted_s: float = None
+    trial_k: int = None
+    sparse_max_s: float = None
+    trial_max_k: int = None
+
+    def trial(self):
+        """(dense_s, sparse_s) where both steps were timed whole, else None."""
+        return None if self.dense_s is None or self.sparse_s is None else (self.dense_s, self.sparse_s)
+
+    def pair_slope_s(self):
+        """Seconds each further pair (per replica) added to the timed sparse
+        step, from its two sizes (at least 0), or None where not timed."""
+        if self.sparse_s is None or self.sparse_max_s is None or self.trial_max_k <= self.trial_k:
+            return None
+        return max(0.0, (self.sparse_max_s - self.sparse_s) / (self.trial_max_k - self.trial_k))
 
     def describe(self):
         """One line for a log."""
         dense = "" if self.dense_s is None else (
             f"; dense all-reduce of {self.entries:,} entries {self.dense_s * 1e3:,.1f} ms "
             f"(predicted {self.dense_predicted_s * 1e3:,.1f} ms)")
-        return f"calibration ({self.seconds:.2f} s): {self.model.describe()}{dense}"
+        sparse = "" if self.sparse_s is None else (
+            f", top-{self.trial_k:,} step by all_gather {self.sparse_s * 1e3:,.1f} ms "
+            f"(predicted {self.sparse_predicted_s * 1e3:,.1f} ms)")
+        if self.sparse_max_s is not None:
+            sparse += f", top-{self.trial_max_k:,} {self.sparse_max_s * 1e3:,.1f} ms"
+        return f"calibration ({self.seconds:.2f} s): {self.model.describe()}{dense}{sparse}"
 
 
-def calibrate(strategy=None, entries=None, budget_s=2.0):
+def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_density=None,
+              trial_max_density=None, profile_density=1.0):
     """Measure the collectives and the selection under `strategy` (default:
     the current one) and return a Calibration. Call it in the cross-replica
     context (outside `strategy.run`), on every worker at the same point.
@@ -70,13 +109,29 @@ def calibrate(strategy=None, entries=None, budget_s=2.0):
       up to that size (not beyond what a step sends) and the dense
       all-reduce of exactly that many is measured when it fits the budget.
     budget_s: a bound on the calibration's time (the calls of each collective
-      get at most a third; a size whose predicted time would overrun is not
-      timed; the one trace per collective comes on top).
+      get at most a third, the trial the last third; a size whose predicted
+      time would overrun is not timed; the one trace per function comes on top).
+    small_entries: float32 entries of the dense path beside `entries` (small
+      variables): in the dense all-reduce, and carried by the trial's all_gather.
+    trial_density: the sparse step the trial times (k = ceil(trial_density *
+      entries) pairs by all_gather); None: no trial.
+    trial_max_density: the trial also times the sparse step at this density
+      (above trial_density: what more pairs cost); None: not.
+    profile_density: how deep the trial's selection profiles the magnitudes
+      (an adaptive density's max_density), as the exchange would.
     """
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
         raise ValueError(f"budget_s must be a number > 0, got {budget_s!r}")
     if entries is not None and (isinstance(entries, bool) or not isinstance(entries, int) or entries < 1):
         raise ValueError(f"entries must be None or an int >= 1, got {entries!r}")
+    if isinstance(small_entries, bool) or not isinstance(small_entries, int) or small_entries < 0:
+        raise ValueError(f"small_entries must be an int >= 0, got {small_entries!r}")
+    for name, value in (("trial_density", trial_density), ("trial_max_density", trial_max_density)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+            raise ValueError(f"{name} must be None or a float in (0, 1], got {value!r}")
+    if trial_max_density is not None and (trial_density is None or trial_max_density <= trial_density):
+        raise ValueError(f"trial_max_density ({trial_max_density!r}) needs a trial_density below it, "
+                         f"got {trial_density!r}")
     strategy = strategy or tf.distribute.get_strategy()
     replicas = strategy.num_replicas_in_sync
     start = time.perf_counter()
@@ -89,13 +144,42 @@ def calibrate(strategy=None, entries=None, budget_s=2.0):
     agreed = _slowest(strategy, local)
     model = CostModel(replicas, LinkModel(agreed[0], agreed[1]), LinkModel(agreed[2], agreed[3]), agreed[4],
                       agreed[5], pair_s=agreed[6])
-    dense_s = dense_predicted_s = None
-    if entries is not None:
-        dense_predicted_s = model.route_time("dense", 0, entries)
-        elapsed = time.perf_counter() - start
-        if replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
-            dense_s = _slowest(strategy, [_median_call(_of_size(_collective(strategy, "all_reduce"), entries), 2)])[0]
-    return Calibration(model, points, entries, dense_s, dense_predicted_s, time.perf_counter() - start)
+    if entries is None:
+        return Calibration(model, points, entries, None, None, time.perf_counter() - start)
+    found = _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
+                        budget_s, time.perf_counter() - start)
+    return dataclasses.replace(found, points=points, seconds=time.perf_counter() - start)
+
+
+def _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
+                budget_s, elapsed):
+    """A Calibration of `model` with the whole steps timed (no points, seconds 0): the
+    trial where the call is close and its calls fit a third of the budget, else
+    the dense all-reduce alone where it fits what is left of the budget."""
+    replicas = model.replicas
+    dense_predicted_s = model.route_time("dense", 0, entries, small_entries)
+    dense_step = _of_size(_collective(strategy, "all_reduce"), entries + small_entries)
+    dense_s = sparse_s = sparse_predicted_s = k = sparse_max_s = k_max = None
+    predicted_max_s = 0.0
+    if trial_density is not None:
+        k = max(1, min(entries, math.ceil(trial_density * entries)))
+        sparse_predicted_s = model.route_time("allgather", k, entries, small_entries)
+        if trial_max_density is not None:
+            k_max = max(1, min(entries, math.ceil(trial_max_density * entries)))
+            predicted_max_s = model.route_time("allgather", k_max, entries, small_entries)
+    close = k is not None and max(dense_predicted_s, sparse_predicted_s) <= \
+        CLOSE_CALL * min(dense_predicted_s, sparse_predicted_s)
+    if replicas > 1 and close and \
+            (TRIAL_REPEATS + 1) * (dense_predicted_s + sparse_predicted_s + predicted_max_s) <= budget_s / 3:
+        steps = [dense_step, _sparse_step(strategy, entries, small_entries, k, profile_density)]
+        if k_max is not None and k_max > k:
+            steps.append(_sparse_step(strategy, entries, small_entries, k_max, profile_density))
+        dense_s, sparse_s, *more = _slowest(strategy, [_median_call(step, TRIAL_REPEATS) for step in steps])
+        sparse_max_s = more[0] if more else None
+    elif replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
+        dense_s = _slowest(strategy, [_median_call(dense_step, 2)])[0]
+    return Calibration(model, {}, entries, dense_s, dense_predicted_s, 0.0, sparse_s, sparse_predicted_s, k,
+                       sparse_max_s, k_max if sparse_max_s is not None else None)
 
 
 def _line(points):
@@ -183,6 +267,32 @@ def _time_collective(strategy, kind, largest, budget_s):
         points.append((ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size,
                        half))
     return points
+
+
+def _sparse_step(strategy, entries, small_entries, k, profile_density):
+    """One sparse exchange step of a bucket of `entries` on every replica, as
+    the all_gather route takes it: the fused selection of k pairs (with the
+    magnitude profile), their all_gather with `small_entries` dense-path
+    entries, and the P * k pairs densified."""
+    replicas = strategy.num_replicas_in_sync
+    gradient = tf.random.stateless_normal([entries], seed=[0, 1])
+    residual = tf.zeros([entries], tf.float32)
+    small = tf.ones([small_entries], tf.float32)
+
+    @tf.function
+    def run():
+        def replica_fn():
+            selection = ops.error_feedback_topk(tf.identity(gradient), residual, k, with_profile=True,
+                                                profile_density=profile_density)
+            parts = tf.concat([selection.values, tf.bitcast(selection.indices, tf.float32), tf.identity(small)], 0)
+            rows = tf.reshape(tf.distribute.get_replica_context().all_gather(parts, axis=0), [replicas, -1])
+            indices = tf.reshape(tf.bitcast(rows[:, k:2 * k], tf.int32), [-1, 1])
+            dense = tf.scatter_nd(indices, tf.reshape(rows[:, :k], [-1]), [entries])
+            return dense[:1], selection.remaining[:1], tf.reduce_sum(rows[:, 2 * k:], 0)[:1]
+
+        return strategy.run(replica_fn)
+
+    return run
 
 
 def _time_compute(size):

@@ -161,21 +161,37 @@ void ProfileChunk(const R* x, int64_t begin, int64_t end, uint32_t floor_key, do
   for (int64_t i = begin; i < end; ++i) ProfileEntry(x[i], floor_key, profile);
 }
 
-// float32: four entries per comparison, so that entries below the floor
-// (most of them, with a floor) cost no scalar work.
+// float32: sixteen entries per test, so that groups below the floor (most of
+// them under a shallow floor) cost no scalar work; the entries of a group with
+// any above it are gathered without a branch per entry, then profiled. A
+// branch per entry mispredicts on a large share of them under a deep floor
+// (the top 15% of a bucket: 3.9x the fused selection's time against 1.5x at
+// the top 3%).
 template <>
 inline void ProfileChunk<float>(const float* x, int64_t begin, int64_t end, uint32_t floor_key, double* profile) {
-  const int32_t floor = static_cast<int32_t>(std::min<uint32_t>(floor_key, kInfBits));
-  int64_t i = begin;
-  for (; i + 4 <= end; i += 4) {
-    Int4 raw;
-    std::memcpy(&raw, x + i, sizeof(raw));
-    const Int4 hit = (raw & 0x7fffffff) >= floor;
-    if (!(hit[0] | hit[1] | hit[2] | hit[3])) continue;
-    for (int lane = 0; lane < 4; ++lane) {
-      if (hit[lane]) ProfileEntry(x[i + lane], floor_key, profile);
+  if (floor_key == 0u) {  // no floor: every entry
+    for (int64_t i = begin; i < end; ++i) ProfileEntry(x[i], 0u, profile);
+    return;
+  }
+  constexpr int kGroup = 16;
+  const uint32_t floor = std::min<uint32_t>(floor_key, kInfBits);
+  const int32_t signed_floor = static_cast<int32_t>(floor);
+  float kept[kChunk];  // a chunk's entries above the floor, in order (the same sums as one by one)
+  int64_t count = 0, i = begin;
+  for (; i + kGroup <= end && i + kGroup - begin <= kChunk; i += kGroup) {
+    Int4 any = {};
+    for (int q = 0; q < kGroup; q += 4) {
+      Int4 raw;
+      std::memcpy(&raw, x + i + q, sizeof(raw));
+      any |= (raw & 0x7fffffff) >= signed_floor;
+    }
+    if (!(any[0] | any[1] | any[2] | any[3])) continue;
+    for (int lane = 0; lane < kGroup; ++lane) {
+      kept[count] = x[i + lane];
+      count += MagnitudeBits(x[i + lane]) >= floor ? 1 : 0;
     }
   }
+  for (int64_t j = 0; j < count; ++j) ProfileEntry(kept[j], floor_key, profile);
   for (; i < end; ++i) ProfileEntry(x[i], floor_key, profile);
 }
 

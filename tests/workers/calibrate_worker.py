@@ -1,7 +1,9 @@
-"""Calibrate under a strategy and write what was found: `calibrate_worker.py OUT_DIR workers|local:N`.
+"""Calibrate under a strategy and write what was found: `calibrate_worker.py OUT_DIR workers|local:N [trial]`.
 
 workers: MultiWorkerMirroredStrategy from TF_CONFIG (one replica per worker);
-local:N: MirroredStrategy over N logical CPUs of this process.
+local:N: MirroredStrategy over N logical CPUs of this process;
+trial: time the dense and two sparse steps whole (densities 0.003 and 0.03),
+however far apart the time model puts them.
 """
 
 import dataclasses
@@ -24,9 +26,16 @@ else:
 
 import tf_topk.calibrate  # noqa: E402
 
-found = tf_topk.calibrate.calibrate(strategy, entries=300_000, budget_s=1.5)
+trial = sys.argv[3:] == ["trial"]
+if trial:
+    tf_topk.calibrate.CLOSE_CALL = float("inf")
+found = tf_topk.calibrate.calibrate(strategy, entries=300_000, budget_s=1.5, small_entries=1_000,
+                                    trial_density=0.003 if trial else None,
+                                    trial_max_density=0.03 if trial else None, profile_density=0.1)
 print(found.describe())
 with open(os.path.join(out_dir, f"calibration{task}.json"), "w") as f:
     json.dump({"model": dataclasses.asdict(found.model), "points": found.points, "dense_s": found.dense_s,
                "dense_predicted_s": found.dense_predicted_s, "seconds": found.seconds,
+               "sparse_s": found.sparse_s, "sparse_predicted_s": found.sparse_predicted_s, "trial_k": found.trial_k,
+               "sparse_max_s": found.sparse_max_s, "trial_max_k": found.trial_max_k,
                "line": found.describe()}, f)

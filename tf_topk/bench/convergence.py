@@ -466,20 +466,26 @@ def plot_bytes(result, path):
     key = score_key(result["dataset"])
     fig, (ax, side) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [2, 1]})
     styles = {0.1: ":", 0.01: "-.", 0.001: "--"}
+    link_styles = {}  # the autopilot's plans, one line style per stated link
     for row in rows:
         label = row["label"] if row["density"] is None else f"{row['label']} d={row['density']:g}"
+        style = styles.get(row["density"], "-") if row.get("link") is None else \
+            link_styles.setdefault(row["link"], ("-", "--", ":", "-.")[len(link_styles) % 4])
         ax.plot(row["curves"]["bytes_per_worker"], row["curves"][key], color=COLORS[row["method"]],
-                linestyle=styles.get(row["density"], "-"), marker="o" if row["method"].startswith("adaptive") else None,
+                linestyle=style, marker="o" if row["method"] in ("adaptive", "adaptive_mc", "autopilot") else None,
                 markersize=3, label=f"{label} ({row[key + '_mean']:.3f})")
     ax.set_xscale("log")
     ax.set_xlabel(f"cumulative bytes sent per worker ({result['workers_for_bytes']} workers)")
     ax.set_ylabel(SCORE_NAMES[key])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper right" if key == "val_loss" else "lower right")
-    for adaptive in (r for r in rows if r["method"].startswith("adaptive")):
+    chosen = [r for r in rows if r["curves"].get("density")]  # adaptive and the autopilot: the density they chose
+    if not chosen:
+        side.set_visible(False)
+    for adaptive in chosen:
         epochs = np.arange(1, len(adaptive["curves"]["density"]) + 1)
         side.plot(epochs, adaptive["curves"]["density"], color=COLORS[adaptive["method"]], marker="o", markersize=3,
-                  label=adaptive["label"])
+                  linestyle=link_styles.get(adaptive.get("link"), "-"), label=adaptive["label"])
         side.set_yscale("log")
         side.legend(fontsize=7)
         side.set_xlabel("epoch")
@@ -487,6 +493,41 @@ def plot_bytes(result, path):
         side.grid(alpha=0.3)
     fig.suptitle(f"{result['dataset']}: {result['model']}, {result['optimizer']}, mean of {result['seeds']} seeds",
                  fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_time(result, path):
+    """Test accuracy against the charged time of --time-links, one panel per link (the
+    autopilot planned for that link), with the target (dense's final accuracy minus the margin)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timing = result["time_to_accuracy"]
+    links = list(timing["links"])
+    fig, axes = plt.subplots(1, len(links), figsize=(5.2 * len(links), 4.4), squeeze=False, sharey="row")
+    styles = {0.1: ":", 0.01: "-.", 0.001: "--"}
+    for ax, link in zip(axes[0], links):
+        for row in (r for r in result["configs"] if link in r.get("time_s", {})):
+            label = row["label"] if row["density"] is None else f"{row['label']} d={row['density']:g}"
+            reached = timing["links"][link]["time_to_target_s"].get(
+                row["method"] if row["density"] is None else f"{row['method']}:{row['density']:g}")
+            ax.plot(row["time_s"][link], row["curves"]["test_accuracy"], color=COLORS[row["method"]],
+                    linestyle=styles.get(row["density"], "-"), marker="o" if row["method"] == "autopilot" else None,
+                    markersize=3, label=f"{label} ({'not reached' if reached is None else f'{reached:,.1f} s'})")
+        ax.axhline(timing["target_accuracy"], color="grey", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.set_xlabel(f"time charged at {link}, {timing['workers']} workers (s)")
+        ax.set_title(f"{link}: time to {timing['target_accuracy']:.4f}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0][0].set_ylabel("test accuracy")
+    fig.suptitle(f"{result['dataset']}: {result['model']}, {result['optimizer']}, mean of {result['seeds']} seeds; "
+                 f"each step charged {timing['compute_s_per_step'] * 1e3:.2f} ms of compute plus its predicted "
+                 f"exchange", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -651,6 +692,9 @@ def main(argv=None):
     parser.add_argument("--bytes-plot", metavar="PNG",
                         help="draw test accuracy (text: validation loss) against bytes sent per worker "
                              "(needs matplotlib)")
+    parser.add_argument("--time-plot", metavar="PNG",
+                        help="with --time-links: draw test accuracy against the charged time, a panel per link "
+                             "(needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     args = parser.parse_args(argv)
     args.argv = argv
@@ -685,6 +729,8 @@ def main(argv=None):
         parser.error(f"--agreed-slots {args.agreed_slots} needs --exchange-mode allreduce, got {args.exchange_mode}")
     if args.autopilot and not args.time_links:
         parser.error("--autopilot plans for a stated link: give --time-links")
+    if args.time_plot and not args.time_links:
+        parser.error("--time-plot draws the charged time: give --time-links")
     if args.latency_ms < 0:
         parser.error(f"--latency-ms must be >= 0, got {args.latency_ms}")
     if args.agreed_slots < 1:
@@ -723,6 +769,9 @@ def main(argv=None):
     if args.bytes_plot:
         plot_bytes(result, args.bytes_plot)
         result["bytes_plot"] = args.bytes_plot
+    if args.time_plot:
+        plot_time(result, args.time_plot)
+        result["time_plot"] = args.time_plot
     if args.json:
         print(json.dumps(result))
     else:

@@ -280,7 +280,10 @@ def autopilot_facts(optimizer):
     return {"line": plan.describe(), "model": dataclasses.asdict(plan.model),
             "calibration_s": None if calibration is None else calibration.seconds,
             "dense_allreduce_s": None if calibration is None else calibration.dense_s,
-            "dense_allreduce_predicted_s": None if calibration is None else calibration.dense_predicted_s}
+            "dense_allreduce_predicted_s": None if calibration is None else calibration.dense_predicted_s,
+            "sparse_step_s": None if calibration is None else calibration.sparse_s,
+            "sparse_step_predicted_s": None if calibration is None else calibration.sparse_predicted_s,
+            "trial_k": None if calibration is None else calibration.trial_k}
 
 
 def write_result(out, index, result):

@@ -3,7 +3,10 @@
 On one tensor, in one process: median seconds of tf_topk's gaussian and exact
 selection, of `tf.math.top_k(|x|)` and of a one-pass reduction (`tf.reduce_sum`,
 the memory-bandwidth yardstick); the gaussian method's count of non-zero
-outputs and its recall against the exact top-k set.
+outputs and its recall against the exact top-k set. With `--profile-depths`,
+also the fused error-feedback op without and with the adaptive density's
+magnitude profile at each depth (`profile_density`: the share of entries,
+from the largest down, that must be profiled exactly), as ratios to it.
 """
 
 import argparse
@@ -37,7 +40,21 @@ def recall(selected_indices, exact_indices):
     return len(exact.intersection(selected_indices.tolist())) / len(exact)
 
 
-def run(n, density, dist="normal", device="cpu", repeats=7, seed=0):
+def profile_costs(x, k, depths, repeats):
+    """{"fused_error_feedback": seconds of the fused op on x (residual 0) selecting k,
+    "profile": {depth: seconds with the magnitude profile that deep}, "profile_over_fused": ratios}."""
+    residual = tf.zeros_like(x)
+
+    def fused(**profile):
+        return lambda: tf_topk.error_feedback_topk(x, residual, k, **profile).remaining[:1].numpy()
+
+    base = median_seconds(fused(), repeats)
+    seconds = {depth: median_seconds(fused(with_profile=True, profile_density=depth), repeats) for depth in depths}
+    return {"fused_error_feedback": round(base, 6), "profile": {str(d): round(s, 6) for d, s in seconds.items()},
+            "profile_over_fused": {str(d): round(s / base, 2) for d, s in seconds.items()}}
+
+
+def run(n, density, dist="normal", device="cpu", repeats=7, seed=0, profile_depths=()):
     """Measure one configuration; returns a dict (the JSON printed)."""
     k = max(1, int(math.ceil(density * n)))
     device_name = {"cpu": "/CPU:0", "gpu": "/GPU:0"}[device]
@@ -65,6 +82,7 @@ def run(n, density, dist="normal", device="cpu", repeats=7, seed=0):
                                             repeats)
         g_values, g_indices = gaussian()
         _, e_indices = exact()
+        profiles = profile_costs(x, k, profile_depths, repeats) if profile_depths else {}
     g_values, g_indices, e_indices = g_values.numpy(), g_indices.numpy(), e_indices.numpy()
     result = {
         "n": n, "k": k, "density": density, "dist": dist, "device": device,
@@ -75,6 +93,7 @@ def run(n, density, dist="normal", device="cpu", repeats=7, seed=0):
         "speedup_gaussian_vs_top_k": round(timings["tf_math_top_k"] / timings["tf_topk_gaussian"], 2),
         "speedup_exact_vs_top_k": round(timings["tf_math_top_k"] / timings["tf_topk_exact"], 2),
         "gaussian_over_one_pass": round(timings["tf_topk_gaussian"] / timings["one_pass"], 2),
+        **profiles,
     }
     return result
 
@@ -87,13 +106,22 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-depths", default="",
+                        help="comma-separated profile depths in (0, 1]: also time the fused error-feedback op "
+                             "with the magnitude profile that deep (e.g. 0.01,0.03,0.15,1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     args = parser.parse_args(argv)
+    try:
+        depths = [float(d) for d in args.profile_depths.split(",") if d.strip()]
+    except ValueError:
+        parser.error(f"--profile-depths must be comma-separated numbers, got {args.profile_depths!r}")
+    if any(not 0 < d <= 1 for d in depths):
+        parser.error(f"--profile-depths must be in (0, 1], got {args.profile_depths!r}")
     if args.n <= 0:
         parser.error(f"--n must be positive, got {args.n}")
     if not 0 < args.density <= 1:
         parser.error(f"--density must be in (0, 1], got {args.density}")
-    result = run(args.n, args.density, args.dist, args.device, args.repeats, args.seed)
+    result = run(args.n, args.density, args.dist, args.device, args.repeats, args.seed, depths)
     if args.json:
         print(json.dumps(result))
     else:
