@@ -50,7 +50,7 @@ def profile_costs(x, k, depths, repeats):
 
     base = median_seconds(fused(), repeats)
     seconds = {depth: median_seconds(fused(with_profile=True, profile_density=depth), repeats) for depth in depths}
-    return {"fused_error_feedback": round(base, 6), "profile": {str(d): round(s, 6) for d, s in seconds.items()},
+    return {"fused_error_feedback": round(base, 9), "profile": {str(d): round(s, 9) for d, s in seconds.items()},
             "profile_over_fused": {str(d): round(s / base, 2) for d, s in seconds.items()}}
 
 
