@@ -259,6 +259,28 @@ def test_cnn_over_eight_replicas_tests_a_split_that_leaves_a_replica_no_sample(t
         assert row["test_accuracy_mean"] > 0.15, row
 
 
+def test_the_test_at_each_epochs_end_scores_as_keras_evaluate_does():
+    """With several replicas the benchmark tests on one device in a callback
+    instead of `fit`'s validation: the same `val_loss` and `val_accuracy`."""
+    import keras
+    import numpy as np
+
+    from tf_topk.bench import convergence
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(50, 8)).astype("float32"), rng.integers(0, 3, 50)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    logs = {"loss": 1.0}
+    callback = convergence._test_callback(keras, x, y)
+    callback.set_model(model)
+    callback.on_epoch_end(0, logs)
+    loss, accuracy = model.evaluate(x, y, batch_size=50, verbose=0)
+    assert 0.0 < accuracy < 1.0  # a score the two could disagree on
+    assert logs == pytest.approx({"loss": 1.0, "val_loss": loss, "val_accuracy": accuracy}, rel=1e-5)
+
+
 @pytest.mark.parametrize("args,message", [
     (("--replicas", "3"), r"--replicas must be >= 1 and divide --batch-size \(32\), got 3"),
     (("--workers", "1"), "--workers must be >= 2"),
