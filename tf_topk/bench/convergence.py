@@ -248,8 +248,8 @@ def replica_training_set(x, y, batch_size, seed):
     for several replicas (`fit` then takes `steps_per_epoch`).
 
     `model.fit` on arrays makes new autotuned iterators every epoch, and under MirroredStrategy each
-    destroyed one waits for its replicas' threads: on shapes at 8 replicas, up to a minute idle per epoch
-    against 1.3 s of steps. One repeated iterator serves the whole `fit` instead."""
+    destroyed one waits for its replicas' threads, which left 8-replica runs idle most of the time. One
+    repeated iterator serves the whole `fit` instead."""
     import tensorflow as tf
 
     options = tf.data.Options()
