@@ -1,7 +1,7 @@
 """The autopilot (density="autopilot"): what `advise` predicts against the cost
 model, the `advise` command, the plan in eager and traced code, and a fit on
-two replicas whose fast local link takes the dense route, saved and loaded in
-a new process."""
+two replicas of one process (a close call, timed whole: the faster step taken),
+saved and loaded in a new process."""
 
 import dataclasses
 import json
@@ -173,17 +173,25 @@ def test_autopilot_is_a_density_that_saves_as_itself():
         tf_topk.ExchangeConfig(density="auto")
 
 
-def test_fit_on_a_fast_local_link_goes_dense_and_the_model_loads_in_a_new_process(tmp_path):
+def test_fit_on_a_local_link_takes_the_step_it_timed_faster_and_the_model_loads_in_a_new_process(tmp_path):
     proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_fit.py"), str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tf_topk autopilot: calibration (" in proc.stderr
     with open(tmp_path / "fit.json") as f:
         fit = json.load(f)
     assert fit["measured"] and fit["model"]["replicas"] == 2 and fit["density_config"] == "autopilot"
-    # Two logical CPUs of one process: a link of memory copies, where every entry (dense, or bfloat16 with
-    # the rounding error kept) costs less than the selection of even the sparsest step.
-    assert fit["router"] == "FixedRouter" and "every entry, dense" in proc.stderr
-    assert fit["stats"]["exchange_mode"] in (0.0, 3.0) and fit["stats"]["density"] > 0.5
+    # Two logical CPUs of one process: a link of memory copies, where the line predicts the dense step and
+    # the sparse one within 3x of each other (a close call), so the calibration times both whole. The dense
+    # one is usually the faster (0.5 ms against 0.8 ms here), but on a shared 2-core machine either can be:
+    # what is pinned is that the plan follows what it timed, and that the route taken is that plan's.
+    assert fit["trial"] is not None, proc.stderr[-2000:]
+    dense_s, sparse_s = fit["trial"]
+    if dense_s <= sparse_s:
+        assert fit["router"] == "FixedRouter" and "every entry, dense" in proc.stderr
+        assert fit["stats"]["exchange_mode"] in (0.0, 3.0) and fit["stats"]["density"] > 0.5
+    else:
+        assert fit["router"] == "TimedRouter" and "routes by time, adaptive density" in proc.stderr
+        assert fit["stats"]["density"] <= 0.1
     assert fit["loss"][-1] < fit["loss"][0]
     load = _run([sys.executable, "-c", "import sys, tf_topk, keras; m = keras.models.load_model(sys.argv[1]); "
                  "print(type(m.optimizer).__name__, m.optimizer.density)", str(tmp_path / "model.keras")])

@@ -45,8 +45,9 @@ SELECTION_DENSITY = 0.01
 # The trial times the dense and the sparse step whole where the line predicts neither
 # this many times faster than the other (farther apart, the line's error cannot flip the choice).
 CLOSE_CALL = 3.0
-# Timed calls of each trial step (the median is kept), after one that traces.
-TRIAL_REPEATS = 3
+# Rounds of the trial's steps, each step called once a round (the median is kept), after one
+# call of each that traces. The steps take turns, so a burst of load on the machine slows all.
+TRIAL_REPEATS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +175,7 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
         steps = [dense_step, _sparse_step(strategy, entries, small_entries, k, profile_density)]
         if k_max is not None and k_max > k:
             steps.append(_sparse_step(strategy, entries, small_entries, k_max, profile_density))
-        dense_s, sparse_s, *more = _slowest(strategy, [_median_call(step, TRIAL_REPEATS) for step in steps])
+        dense_s, sparse_s, *more = _slowest(strategy, _interleaved_medians(steps, TRIAL_REPEATS))
         sparse_max_s = more[0] if more else None
     elif replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
         dense_s = _slowest(strategy, [_median_call(dense_step, 2)])[0]
@@ -217,6 +218,21 @@ def _of_size(function, size):
 def _median_call(function, repeats):
     """Median seconds of `repeats` calls, after one that traces."""
     return _timed_calls(function, repeats)[0]
+
+
+def _interleaved_medians(functions, repeats):
+    """Median seconds of each function over `repeats` rounds that call every
+    function once in turn, after one call of each that traces: whatever else
+    the machine runs meanwhile falls on all of them alike, not on one."""
+    for function in functions:
+        _block(function())
+    times = [[] for _ in functions]
+    for _ in range(repeats):
+        for function, seconds in zip(functions, times):
+            begin = time.perf_counter()
+            _block(function())
+            seconds.append(time.perf_counter() - begin)
+    return [statistics.median(seconds) for seconds in times]
 
 
 def _timed_calls(function, repeats):

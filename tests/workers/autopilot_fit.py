@@ -28,6 +28,7 @@ history = model.fit(x, y, batch_size=32, epochs=2, verbose=0)
 plan = optimizer.exchange.autopilot_plan
 model.save(os.path.join(out, "model.keras"))
 with open(os.path.join(out, "fit.json"), "w") as f:
-    json.dump({"measured": plan.calibration is not None, "model": dataclasses.asdict(plan.model),
+    json.dump({"measured": plan.calibration is not None, "trial": plan.calibration and plan.calibration.trial(),
+               "model": dataclasses.asdict(plan.model),
                "router": type(optimizer.exchange.router).__name__, "stats": optimizer.compression_stats(),
                "density_config": optimizer.get_config()["density"], "loss": history.history["loss"]}, f)
