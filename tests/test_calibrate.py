@@ -138,6 +138,8 @@ def test_two_workers_agree_on_the_slowest_numbers(tmp_path):
     first, second = _read(tmp_path, 0), _read(tmp_path, 1)
     _check_found(first, 2)
     _check_trial(first)
+    # MultiWorkerMirroredStrategy's collectives: the all_gather route's rows go in one gather, not two.
+    assert first["gathers_in_one_collective"] and second["gathers_in_one_collective"]
     # The trial's times are the slowest worker's, the same on both.
     assert [first[key] for key in ("dense_s", "sparse_s", "sparse_max_s")] == \
         [second[key] for key in ("dense_s", "sparse_s", "sparse_max_s")]

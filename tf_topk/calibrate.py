@@ -33,6 +33,7 @@ import tensorflow as tf
 
 from tf_topk import ops
 from tf_topk.cost import CostModel, LinkModel, ring_bytes
+from tf_topk.gather import all_gather_rows
 
 # float32 entries of the first timed collective; each next size is FACTOR times larger.
 FIRST_ENTRIES = 256
@@ -142,7 +143,7 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
         points[kind] = _time_collective(strategy, kind, largest, budget_s / 3) if replicas > 1 else []
     selection, rounding, pair = _time_compute(SELECTION_ENTRIES)
     local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair]
-    agreed = _slowest(strategy, local)
+    agreed = slowest(strategy, local)
     model = CostModel(replicas, LinkModel(agreed[0], agreed[1]), LinkModel(agreed[2], agreed[3]), agreed[4],
                       agreed[5], pair_s=agreed[6])
     if entries is None:
@@ -175,10 +176,10 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
         steps = [dense_step, _sparse_step(strategy, entries, small_entries, k, profile_density)]
         if k_max is not None and k_max > k:
             steps.append(_sparse_step(strategy, entries, small_entries, k_max, profile_density))
-        dense_s, sparse_s, *more = _slowest(strategy, _interleaved_medians(steps, TRIAL_REPEATS))
+        dense_s, sparse_s, *more = slowest(strategy, interleaved_medians(steps, TRIAL_REPEATS))
         sparse_max_s = more[0] if more else None
     elif replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
-        dense_s = _slowest(strategy, [_median_call(dense_step, 2)])[0]
+        dense_s = slowest(strategy, [_median_call(dense_step, 2)])[0]
     return Calibration(model, {}, entries, dense_s, dense_predicted_s, 0.0, sparse_s, sparse_predicted_s, k,
                        sparse_max_s, k_max if sparse_max_s is not None else None)
 
@@ -202,7 +203,7 @@ def _collective(strategy, kind):
             local = tf.identity(buffer)  # on the replica's device
             if kind == "all_reduce":
                 return context.all_reduce(tf.distribute.ReduceOp.SUM, local)[:1]
-            return context.all_gather(local, axis=0)[:1]
+            return all_gather_rows(context, local)[:1]  # as the all_gather route gathers
 
         return strategy.run(replica_fn)
 
@@ -220,7 +221,7 @@ def _median_call(function, repeats):
     return _timed_calls(function, repeats)[0]
 
 
-def _interleaved_medians(functions, repeats):
+def interleaved_medians(functions, repeats):
     """Median seconds of each function over `repeats` rounds that call every
     function once in turn, after one call of each that traces: whatever else
     the machine runs meanwhile falls on all of them alike, not on one."""
@@ -274,7 +275,7 @@ def _time_collective(strategy, kind, largest, budget_s):
             break
         # The next size: its calls, at most FACTOR times this size's each.
         predicted = spent + (REPEATS + 1) * seconds * following / size
-        if _slowest(strategy, [predicted])[0] > budget_s:
+        if slowest(strategy, [predicted])[0] > budget_s:
             break
         size = following
     if len(points) == 1:  # a line needs two sizes: the smallest again, halved
@@ -301,7 +302,7 @@ def _sparse_step(strategy, entries, small_entries, k, profile_density):
             selection = ops.error_feedback_topk(tf.identity(gradient), residual, k, with_profile=True,
                                                 profile_density=profile_density)
             parts = tf.concat([selection.values, tf.bitcast(selection.indices, tf.float32), tf.identity(small)], 0)
-            rows = tf.reshape(tf.distribute.get_replica_context().all_gather(parts, axis=0), [replicas, -1])
+            rows = tf.reshape(all_gather_rows(tf.distribute.get_replica_context(), parts), [replicas, -1])
             indices = tf.reshape(tf.bitcast(rows[:, k:2 * k], tf.int32), [-1, 1])
             dense = tf.scatter_nd(indices, tf.reshape(rows[:, :k], [-1]), [entries])
             return dense[:1], selection.remaining[:1], tf.reduce_sum(rows[:, 2 * k:], 0)[:1]
@@ -337,7 +338,7 @@ def _time_compute(size):
     return _median_call(select, REPEATS) / size, _median_call(round_to_bfloat16, REPEATS) / size, per_pair
 
 
-def _slowest(strategy, values):
+def slowest(strategy, values):
     """The largest of every replica's `values` (floats), on every replica."""
     local = tf.constant(values, tf.float64)
     if strategy.num_replicas_in_sync == 1:

@@ -25,6 +25,7 @@ else:
     task = 0
 
 import tf_topk.calibrate  # noqa: E402
+from tf_topk.gather import gathers_in_one_collective  # noqa: E402
 
 trial = sys.argv[3:] == ["trial"]
 if trial:
@@ -38,4 +39,4 @@ with open(os.path.join(out_dir, f"calibration{task}.json"), "w") as f:
                "dense_predicted_s": found.dense_predicted_s, "seconds": found.seconds,
                "sparse_s": found.sparse_s, "sparse_predicted_s": found.sparse_predicted_s, "trial_k": found.trial_k,
                "sparse_max_s": found.sparse_max_s, "trial_max_k": found.trial_max_k,
-               "line": found.describe()}, f)
+               "line": found.describe(), "gathers_in_one_collective": gathers_in_one_collective(strategy)}, f)

@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "scale": "tf_topk.bench.scale",
     "overhead": "tf_topk.bench.overhead",
     "advise": "tf_topk.bench.advise",
+    "gather": "tf_topk.bench.gather",
 }
 
 

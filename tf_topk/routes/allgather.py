@@ -2,11 +2,15 @@
 
 import tensorflow as tf
 
+from tf_topk.gather import all_gather_rows
 from tf_topk.routes.base import Route, gather_bytes, split_dense, split_pairs
 
 
 class AllGatherRoute(Route):
     """One `all_gather` per bucket: (P-1) * 8k bytes per worker, growing with P.
+
+    Every replica's buffer has the same length (k, the carry), so the gather
+    skips TensorFlow's exchange of shapes (`tf_topk.gather`): one collective.
 
     The bucket's values and bit-cast indices (and the carried dense-path
     gradients with the non-finite count) travel in one float32 buffer. Every
@@ -27,7 +31,7 @@ class AllGatherRoute(Route):
             rows_values, rows_indices, summed_carry = tf.expand_dims(values, 0), tf.expand_dims(indices, 0), carry
         else:
             parts = [values, tf.bitcast(indices, tf.float32)] + ([] if carry is None else [carry])
-            rows = tf.reshape(context.all_gather(tf.concat(parts, 0), axis=0), [replicas, -1])
+            rows = tf.reshape(all_gather_rows(context, tf.concat(parts, 0)), [replicas, -1])
             k = tf.size(values)
             rows_values, rows_indices = rows[:, :k], tf.bitcast(rows[:, k:2 * k], tf.int32)
             summed_carry = None
