@@ -276,14 +276,12 @@ def autopilot_facts(optimizer):
         return None
     import dataclasses
 
+    measured = {"calibration_s": "seconds", "dense_allreduce_s": "dense_s",
+                "dense_allreduce_predicted_s": "dense_predicted_s", "sparse_step_s": "sparse_s",
+                "sparse_step_predicted_s": "sparse_predicted_s", "trial_k": "trial_k"}
     calibration = plan.calibration
     return {"line": plan.describe(), "model": dataclasses.asdict(plan.model),
-            "calibration_s": None if calibration is None else calibration.seconds,
-            "dense_allreduce_s": None if calibration is None else calibration.dense_s,
-            "dense_allreduce_predicted_s": None if calibration is None else calibration.dense_predicted_s,
-            "sparse_step_s": None if calibration is None else calibration.sparse_s,
-            "sparse_step_predicted_s": None if calibration is None else calibration.sparse_predicted_s,
-            "trial_k": None if calibration is None else calibration.trial_k}
+            **{key: getattr(calibration, field, None) for key, field in measured.items()}}
 
 
 def write_result(out, index, result):
