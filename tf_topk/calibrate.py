@@ -347,8 +347,8 @@ def slowest(strategy, values):
     @tf.function
     def run():  # tf.distribute reduces by SUM or MEAN only: gather the rows, then take the max
         def replica_fn():
-            rows = tf.distribute.get_replica_context().all_gather(tf.expand_dims(local, 0), axis=0)
-            return tf.reduce_max(rows, axis=0)
+            rows = all_gather_rows(tf.distribute.get_replica_context(), tf.identity(local))
+            return tf.reduce_max(tf.reshape(rows, [strategy.num_replicas_in_sync, -1]), axis=0)
 
         return strategy.run(replica_fn)
 

@@ -47,9 +47,13 @@ def all_gather_rows(context, buffer):
 
 
 def gathers_in_one_collective(strategy):
-    """Whether `all_gather_rows` takes its one-collective path under `strategy`."""
+    """Whether `all_gather_rows` takes its one-collective path under `strategy`
+    (in the graph being built): collective cross-device ops, and replicas that
+    meet in a merge call (not so for a replica function compiled by XLA on
+    GPUs, which TensorFlow runs per device)."""
     cross_device_ops = getattr(strategy.extended, "_cross_device_ops", None)
-    return isinstance(cross_device_ops, cross_device_ops_lib.CollectiveAllReduce) and \
+    merges = getattr(strategy.extended, "_use_merge_call", lambda: True)()
+    return merges and isinstance(cross_device_ops, cross_device_ops_lib.CollectiveAllReduce) and \
         bool(getattr(cross_device_ops, "_launchers", None))
 
 
@@ -58,8 +62,6 @@ def _gather_local_rows(strategy, buffer):
     cross_device_ops = strategy.extended._cross_device_ops
     launchers = cross_device_ops._launchers
     local = strategy.experimental_local_results(buffer)
-    if len(local) != len(launchers):  # a replica function run per device (XLA on GPUs): TF's own path
-        return strategy.extended._gather_to(buffer, buffer, axis=0)
     options = getattr(strategy.extended, "_communication_options", None) or \
         tf.distribute.experimental.CommunicationOptions()
 
