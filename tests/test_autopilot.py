@@ -5,6 +5,7 @@ saved and loaded in a new process."""
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -101,6 +102,8 @@ def test_plan_goes_dense_only_where_no_density_would_be_faster():
     density = slow.density()
     assert isinstance(density, AdaptiveDensity)
     assert (density.bandwidth_bytes_per_s, density.latency_s) == (pytest.approx(1.25e7), 5e-4)
+    # The first step sends the range's geometric middle, not its top (0.1): no transient of dense steps.
+    assert density.initial_density == pytest.approx(math.sqrt(1e-4 * 0.1))
     # 200,000 entries on 400 Gbit/s with 20 us per collective: dense takes 36 us, the sparsest step's
     # selection alone 240 us.
     fast = Plan(CostModel.from_link(4, LinkModel(2e-5, 1 / 50e9), rounding_s_per_entry=1e-9), None, 200_000)
@@ -135,22 +138,26 @@ def test_a_close_call_is_decided_by_the_steps_timed_whole():
     assert faster.max_density() == 0.1  # one sparse size timed: no slope, the whole range
 
 
-def test_two_timed_sparse_steps_cap_the_range_where_a_step_would_reach_dense():
-    from tf_topk.autopilot import MAX_DENSITY, MIN_DENSITY, Plan
+def test_two_timed_sparse_steps_cap_the_range_where_a_step_would_reach_dense_or_the_slack():
+    from tf_topk.autopilot import CLOSE_CALL_SLACK, MAX_DENSITY, MIN_DENSITY, Plan
     from tf_topk.calibrate import Calibration
 
     model = CostModel.from_link(4, "1gbit")
     n = 200_000
-    # 633 pairs: 7 ms; 20,000 pairs: 26.367 ms, so each further pair 1 us; dense 9 ms: room for 2,000 more.
-    found = Calibration(model, {}, n, 9e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 633, 26.367e-3, 20_000)
+    # 633 pairs: 7 ms; 20,000 pairs: 26.367 ms, so each further pair 1 us; dense 7.2 ms: room for 200 more.
+    found = Calibration(model, {}, n, 7.2e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 633, 26.367e-3, 20_000)
     assert found.pair_slope_s() == pytest.approx(1e-6)
     plan = Plan(model, found, n)
-    assert plan.dense_route() is None and plan.max_density() == pytest.approx(2_633 / n)
+    assert plan.dense_route() is None and plan.max_density() == pytest.approx(833 / n)
     density = plan.density()
-    assert density.max_density == pytest.approx(2_633 / n) and density.min_density == MIN_DENSITY
+    assert density.max_density == pytest.approx(833 / n) and density.min_density == MIN_DENSITY
     # Each pair's compute: the measured 1 us less its 24 bytes at 1 Gbit/s.
     assert density.pair_compute_s == pytest.approx(1e-6 - 24 / 1.25e8)
-    assert "adaptive density up to 0.0132" in plan.describe()
+    assert "adaptive density up to 0.00417" in plan.describe()
+    # Dense at 9 ms leaves 2 ms, but a step may grow by 5% of the timed 7 ms only: 350 more pairs.
+    assert CLOSE_CALL_SLACK == 0.05
+    roomy = Calibration(model, {}, n, 9e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 633, 26.367e-3, 20_000)
+    assert Plan(model, roomy, n).max_density() == pytest.approx(983 / n)
     # Pairs that cost nothing more, or a dense step barely slower: the whole range, or its bottom.
     free = Calibration(model, {}, n, 9e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 633, 7e-3, 20_000)
     assert Plan(model, free, n).max_density() == MAX_DENSITY

@@ -6,10 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
+import tensorflow as tf
 
 from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
+from tf_topk.calibrate import median_difference
 from tf_topk.cost import AGREED_SPEEDUP, CostModel, LinkModel, ring_bytes
 
 
@@ -102,6 +105,25 @@ def _check_found(found, replicas):
         assert model[kind]["latency_s"] + model[kind]["seconds_per_byte"] > 0  # a collective costs something
     assert found["dense_predicted_s"] > 0
     assert found["line"].startswith("calibration (") and f"{replicas} workers" in found["line"]
+
+
+def test_a_paired_difference_reads_the_extra_work_under_a_load_that_comes_and_goes():
+    """Both calls of a round share its load (here 30 ms on every other round): the
+    median of the per-round differences is the 3 ms of extra work."""
+    rounds = []
+
+    def loaded(seconds):
+        time.sleep(seconds + (0.03 if len(rounds) % 2 else 0.0))
+        return tf.constant(0.0)
+
+    def baseline():
+        result = loaded(0.001)
+        rounds.append(None)
+        return result
+
+    extra = median_difference(lambda: loaded(0.004), baseline, 5)
+    assert len(rounds) == 6  # one call that traces, then 5 rounds
+    assert 0.002 <= extra <= 0.01, extra
 
 
 def test_calibration_under_mirrored_strategy(tmp_path):

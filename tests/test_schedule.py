@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tf_topk
-from tf_topk.schedule import GRID_POINTS, AdaptiveDensity, DensitySchedule, dgc_warmup
+from tf_topk.schedule import GRID_POINTS, PROFILE_HEADROOM, AdaptiveDensity, DensitySchedule, dgc_warmup
 
 
 def test_constant_density_gives_a_python_int_k():
@@ -181,6 +181,54 @@ def test_exchange_profiles_every_variable_down_to_the_rank_of_all_entries(messag
     chosen = round(float(exchange.adaptive_density) * 2 * n)
     assert chosen in ratios
     assert ratios[chosen] >= 0.995 * ratios[best], (chosen, best)
+
+
+@pytest.mark.parametrize("density,depth", [
+    (1e-4, 0.1 / 128),  # the shallowest level still covers 4x the lowest density
+    (0.001, 0.1 / 16),  # 4x is 0.004: the next level up is 0.00625
+    (0.1 / 64, 0.1 / 16),  # exactly 4x a level's density: that level
+    (0.02, 0.1),
+    (1.0, 0.1),  # the dense end: the deepest level
+])
+def test_the_profile_depth_is_the_shallowest_level_covering_four_times_the_density(density, depth):
+    rule = AdaptiveDensity(min_density=1e-4, max_density=0.1)
+    assert PROFILE_HEADROOM == 4.0
+    assert rule.profile_levels() == [0.1 / 2**j for j in range(8)]  # 0.1 down to 0.00078 >= 4 * 1e-4
+    assert rule.profile_depth(density) == pytest.approx(depth)
+    assert AdaptiveDensity(min_density=0.01, max_density=0.02).profile_levels() == [0.02]
+
+
+def test_the_exchange_climbs_by_the_profile_headroom_a_step_to_the_rules_choice():
+    """From density 0.001 the profile reaches only down to 0.00625 of the entries,
+    so where the rule wants 50x more the first step climbs at most to about
+    that depth, and the next steps reach the choice a full-depth profile makes at
+    once (no error feedback: every step sees the same gradient)."""
+    rng = np.random.default_rng(2)
+    n = 300_000
+    gradient = tf.constant((rng.standard_normal(n) * np.exp(2 * rng.standard_normal(n))).astype(np.float32))
+
+    def densities(initial, steps):
+        rule = AdaptiveDensity(max_density=0.1, replicas=4, message_bytes=1e8, selection_s_per_entry=0.0,
+                               dense=False, initial_density=initial)
+        exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros(n))], density=rule, exchange_mode="allgather",
+                                          error_feedback=False)
+        step = tf.function(lambda: exchange([gradient]).all_finite)
+        found = []
+        for _ in range(steps):
+            step()
+            found.append(float(exchange.adaptive_density))
+        return found
+
+    full_depth = densities(0.1, 1)[0]
+    climbing = densities(0.001, 6)
+    rule = AdaptiveDensity(max_density=0.1)
+    assert full_depth >= 0.05
+    # Each step reaches at most a little below the depth times 2 (the profile's
+    # floor keeps a margin: a sampled magnitude with more than depth * n above it).
+    assert 0.001 < climbing[0] <= 2 * rule.profile_depth(0.001) < full_depth
+    assert climbing[1] <= 2 * rule.profile_depth(climbing[0])
+    assert all(b >= a for a, b in zip(climbing, climbing[1:]))
+    assert climbing[-1] == pytest.approx(full_depth, rel=0.05)
 
 
 @pytest.mark.parametrize("proposals,expected", [

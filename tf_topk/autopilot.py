@@ -41,6 +41,12 @@ MAX_BANDWIDTH_BYTES_PER_S = 1e12
 # the adaptive rule chooses k within the sparse range.
 MIN_DENSITY, MAX_DENSITY = 1e-4, 0.1
 TYPICAL_DENSITY = math.sqrt(MIN_DENSITY * MAX_DENSITY)
+# Where the trial timed the steps whole (a close call), the most step time the adaptive
+# density may add to the timed sparse step's: the range stops where the line through the two
+# timed sparse steps reaches it. The rule buys the most gradient energy per second, which on a
+# fast link is many pairs at a cost small in bytes yet not in a step so short (the small CNN on
+# unlimited links took 0.066-0.076 and ran 0.85-0.96x dense, where density 0.001 ran 1.1-1.3x).
+CLOSE_CALL_SLACK = 0.05
 # Densities `advise` tabulates.
 ADVISE_DENSITIES = (0.1, 0.01, 0.001, 0.0001)
 
@@ -87,7 +93,10 @@ class Plan:
         its dense end (the plan chose sparse), or 1.0 where `dense_route()`
         holds. What a pair costs beyond its bytes is the measured densifying,
         or, where the trial timed two sparse steps, what a further pair added
-        to them. replicas: the workers its byte costs assume (default: the
+        to them. The first step sends the range's TYPICAL_DENSITY (at most its
+        top), not its top: from 0.1 the rule took about 10 steps to come down
+        to the 0.001 it settles at on the wide MLP, and those steps send 4-50x
+        the pairs. replicas: the workers its byte costs assume (default: the
         replicas in sync; set it to study a cluster from one process)."""
         from tf_topk.schedule import AdaptiveDensity
 
@@ -101,21 +110,25 @@ class Plan:
         if slope is not None:  # the timed step's slope holds the pair's bytes too
             pair_bytes = (self.model.replicas - 1) * 8.0
             pair_compute_s = max(pair_compute_s, slope - pair_bytes / bandwidth)
-        return AdaptiveDensity(min_density=MIN_DENSITY, max_density=self.max_density(), latency_s=link.latency_s,
+        top = self.max_density()
+        return AdaptiveDensity(min_density=MIN_DENSITY, max_density=top, latency_s=link.latency_s,
                                bandwidth_bytes_per_s=bandwidth, selection_s_per_entry=self.model.selection_s_per_entry,
-                               dense=False, replicas=replicas, pair_compute_s=pair_compute_s)
+                               dense=False, replicas=replicas, pair_compute_s=pair_compute_s,
+                               initial_density=min(TYPICAL_DENSITY, top))
 
     def max_density(self):
         """The top of the sparse range: MAX_DENSITY, or where the trial timed
         two sparse steps, the density whose step the line through them puts
-        at the dense step's time (never a step slower than dense), within
-        [MIN_DENSITY, MAX_DENSITY]."""
+        at the dense step's time (never a step slower than dense) or
+        CLOSE_CALL_SLACK above the timed sparse step's, whichever comes
+        first, within [MIN_DENSITY, MAX_DENSITY]."""
         calibration = self.calibration
         slope = None if calibration is None else calibration.pair_slope_s()
         if not slope:
             return MAX_DENSITY
         dense_s, sparse_s = calibration.trial()
-        k = calibration.trial_k + max(0.0, dense_s - sparse_s) / slope
+        budget_s = min(dense_s, (1.0 + CLOSE_CALL_SLACK) * sparse_s)
+        k = calibration.trial_k + max(0.0, budget_s - sparse_s) / slope
         return min(MAX_DENSITY, max(MIN_DENSITY, k / max(1, self.entries)))
 
     def describe(self):
@@ -138,13 +151,14 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
 
     from tf_topk.calibrate import calibrate
     from tf_topk.routes import AUTO_AGREED_SLOTS  # agreed indices on 2k, as "auto" takes them
+    from tf_topk.schedule import AdaptiveDensity
 
     strategy = strategy or tf.distribute.get_strategy()
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
     if tf.executing_eagerly() and outside_replicas:
         found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
                           trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
-                          profile_density=MAX_DENSITY)
+                          profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)
         model = dataclasses.replace(found.model, agreed_slots=AUTO_AGREED_SLOTS)
         result = Plan(model, found, entries, small_entries)
     else:

@@ -2,8 +2,10 @@
 
 `calibrate(strategy, entries)` times, under the strategy in use, an
 all-reduce and an all_gather of a few sizes (Hockney's line through them),
-the fused error-feedback selection on this worker, and the dense all-reduce
-of `entries` float32 entries (the model's gradients) when that is affordable.
+the fused error-feedback selection on this worker, the densifying of pairs
+into a bucket of `entries` (a pair costs 10x more where the bucket outgrows
+the caches), and the dense all-reduce of `entries` float32 entries (the
+model's gradients) when that is affordable.
 Where the line predicts the dense step and a sparse one (`trial_density`)
 within CLOSE_CALL of each other, both steps are timed whole on the model's
 size (the trial): the selection with its profile, the all_gather of the
@@ -43,6 +45,11 @@ REPEATS = 5
 # Entries the selection and the rounding are timed on (throughput), and the selection's density.
 SELECTION_ENTRIES = 1 << 20
 SELECTION_DENSITY = 0.01
+# Densifying is timed on a bucket of the model's size (SELECTION_ENTRIES where none is
+# given), with SELECTION_DENSITY of it as pairs but at least MIN_TIMED_PAIRS: a pair's
+# scatter costs more where the bucket outgrows the caches (on this machine 28-34 us per
+# thousand pairs into 1M entries, more into the 12.6M of the wide MLP).
+MIN_TIMED_PAIRS = 4096
 # The trial times the dense and the sparse step whole where the line predicts neither
 # this many times faster than the other (farther apart, the line's error cannot flip the choice).
 CLOSE_CALL = 3.0
@@ -119,8 +126,9 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
       entries) pairs by all_gather); None: no trial.
     trial_max_density: the trial also times the sparse step at this density
       (above trial_density: what more pairs cost); None: not.
-    profile_density: how deep the trial's selection profiles the magnitudes
-      (an adaptive density's max_density), as the exchange would.
+    profile_density: how deep the trial's selection profiles the magnitudes,
+      as the exchange would: a float, or a function of the timed step's
+      density (an adaptive density's `profile_depth`).
     """
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
         raise ValueError(f"budget_s must be a number > 0, got {budget_s!r}")
@@ -141,7 +149,7 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     points = {}
     for kind in ("all_reduce", "all_gather"):
         points[kind] = _time_collective(strategy, kind, largest, budget_s / 3) if replicas > 1 else []
-    selection, rounding, pair = _time_compute(SELECTION_ENTRIES)
+    selection, rounding, pair = _time_compute(SELECTION_ENTRIES, entries or SELECTION_ENTRIES)
     local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair]
     agreed = slowest(strategy, local)
     model = CostModel(replicas, LinkModel(agreed[0], agreed[1]), LinkModel(agreed[2], agreed[3]), agreed[4],
@@ -173,9 +181,10 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
         CLOSE_CALL * min(dense_predicted_s, sparse_predicted_s)
     if replicas > 1 and close and \
             (TRIAL_REPEATS + 1) * (dense_predicted_s + sparse_predicted_s + predicted_max_s) <= budget_s / 3:
-        steps = [dense_step, _sparse_step(strategy, entries, small_entries, k, profile_density)]
+        depth = profile_density if callable(profile_density) else lambda density: profile_density
+        steps = [dense_step, _sparse_step(strategy, entries, small_entries, k, depth(k / entries))]
         if k_max is not None and k_max > k:
-            steps.append(_sparse_step(strategy, entries, small_entries, k_max, profile_density))
+            steps.append(_sparse_step(strategy, entries, small_entries, k_max, depth(k_max / entries)))
         dense_s, sparse_s, *more = slowest(strategy, interleaved_medians(steps, TRIAL_REPEATS))
         sparse_max_s = more[0] if more else None
     elif replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
@@ -225,6 +234,22 @@ def interleaved_medians(functions, repeats):
     """Median seconds of each function over `repeats` rounds that call every
     function once in turn, after one call of each that traces: whatever else
     the machine runs meanwhile falls on all of them alike, not on one."""
+    return [statistics.median(seconds) for seconds in _interleaved_times(functions, repeats)]
+
+
+def median_difference(function, baseline, repeats):
+    """Median over `repeats` rounds of what `function` took beyond `baseline`
+    called right after it: a small difference of two larger times, which
+    the difference of their separate medians buries in load (a densifying
+    cost read 0 to 99 us per thousand pairs on 4 busy workers that way, 25-35
+    paired)."""
+    first, second = _interleaved_times([function, baseline], repeats)
+    return statistics.median(a - b for a, b in zip(first, second))
+
+
+def _interleaved_times(functions, repeats):
+    """Seconds of each call of each function, `repeats` rounds in turn, after
+    one call of each that traces."""
     for function in functions:
         _block(function())
     times = [[] for _ in functions]
@@ -233,7 +258,7 @@ def interleaved_medians(functions, repeats):
             begin = time.perf_counter()
             _block(function())
             seconds.append(time.perf_counter() - begin)
-    return [statistics.median(seconds) for seconds in times]
+    return times
 
 
 def _timed_calls(function, repeats):
@@ -312,10 +337,11 @@ def _sparse_step(strategy, entries, small_entries, k, profile_density):
     return run
 
 
-def _time_compute(size):
+def _time_compute(size, bucket):
     """Seconds per entry, on this worker, of the fused error-feedback
-    selection and of the 16-bit route's rounding (with its residual), and
-    per pair of densifying pairs (a scatter into a bucket of `size`)."""
+    selection and of the 16-bit route's rounding (with its residual), both
+    on `size` entries, and per pair of densifying pairs (a scatter into a
+    bucket of `bucket` entries)."""
     rng = np.random.default_rng(0)
     gradient = tf.constant(rng.standard_normal(size).astype(np.float32))
     residual = tf.zeros([size], tf.float32)
@@ -328,13 +354,14 @@ def _time_compute(size):
         rounded = tf.cast(accumulated, tf.bfloat16)
         return (accumulated - tf.cast(rounded, tf.float32))[:1], rounded[:1]
 
-    pairs = max(1, int(SELECTION_DENSITY * size))
-    indices = tf.constant(rng.integers(0, size, (pairs, 1)).astype(np.int32))
+    pairs = max(MIN_TIMED_PAIRS, int(SELECTION_DENSITY * bucket))
+    target = tf.zeros([bucket], tf.float32)
+    indices = tf.constant(rng.integers(0, bucket, (pairs, 1)).astype(np.int32))
     values = tf.constant(rng.standard_normal(pairs).astype(np.float32))
-    densify = tf.function(lambda: tf.tensor_scatter_nd_add(residual, indices, values)[:1])
+    densify = tf.function(lambda: tf.tensor_scatter_nd_add(target, indices, values)[:1])
     # A scatter of few pairs still writes the bucket: what it adds per pair is its time minus that of no pairs.
-    empty = tf.function(lambda: tf.tensor_scatter_nd_add(residual, indices[:0], values[:0])[:1])
-    per_pair = max(_median_call(densify, REPEATS) - _median_call(empty, REPEATS), 0.0) / pairs
+    empty = tf.function(lambda: tf.tensor_scatter_nd_add(target, indices[:0], values[:0])[:1])
+    per_pair = max(median_difference(densify, empty, REPEATS), 0.0) / pairs
     return _median_call(select, REPEATS) / size, _median_call(round_to_bfloat16, REPEATS) / size, per_pair
 
 

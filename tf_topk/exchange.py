@@ -394,13 +394,17 @@ class SparseExchange(tf.Module):
         compensations = [self.memory.compensate(slot, grads[p], **at_step)
                          for slot, p in zip(bucket.slots, bucket.positions)]
         fused = self.selector.fused_method
+        level = self.adaptive.profile_level(self._adaptive_density.read_value()) if self.adaptive else None
 
         def accumulate(i, k):  # member i: gradient + residual and (fused) k entries, in one op
             compensation, size = compensations[i], bucket.sizes[i]
-            selection = ops.error_feedback_topk(
-                compensation.gradient, compensation.residual, k if fused else 0, method=fused or "gaussian",
-                with_profile=self.adaptive is not None,
-                profile_density=self._profile_density(size) if self.adaptive else 1.0)
+
+            def fused_op(profile_density=1.0):
+                return ops.error_feedback_topk(
+                    compensation.gradient, compensation.residual, k if fused else 0, method=fused or "gaussian",
+                    with_profile=self.adaptive is not None, profile_density=profile_density)
+
+            selection = fused_op() if level is None else self._profiled(fused_op, size, level)
             if fused or (isinstance(k, int) and k == 0):
                 return selection
             values, indices = self.selector.select(selection.remaining, k)
@@ -408,12 +412,17 @@ class SparseExchange(tf.Module):
 
         return compensations, route.select(bucket, accumulate, self.selector, context, leader)
 
-    def _profile_density(self, size):
-        """How deep a variable of `size` entries is profiled: down to the rank
-        the adaptive rule may reach over ALL sparsified entries (max_density *
-        n), not its own share of it, since one variable may hold most of the
-        largest entries; the summed profiles are then exact to that rank."""
-        return min(1.0, self.adaptive.max_density * self._sparse_entries / size)
+    def _profiled(self, fused_op, size, level):
+        """`fused_op` with the magnitude profile of a variable of `size`
+        entries taken at this step's depth: down to the rank the adaptive rule
+        may reach next over ALL sparsified entries (depth * n), not its own
+        share of it, since one variable may hold most of the largest entries;
+        the summed profiles are then exact to that rank. One branch per depth
+        of `AdaptiveDensity.profile_levels` (the op's depth is an attribute)."""
+        depths = [min(1.0, depth * self._sparse_entries / size) for depth in self.adaptive.profile_levels()]
+        if len(set(depths)) == 1:
+            return fused_op(depths[0])
+        return tf.switch_case(level, [lambda depth=depth: fused_op(depth) for depth in depths])
 
     def _propose_density(self, buckets, pieces, replicas):
         """This replica's vote for the next step's density (float32 one-hot
