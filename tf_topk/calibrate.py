@@ -3,8 +3,8 @@
 `calibrate(strategy, entries)` times, under the strategy in use, an
 all-reduce and an all_gather of a few sizes (Hockney's line through them),
 the fused error-feedback selection on this worker, the densifying of pairs
-into a bucket of `entries` (a pair costs 10x more where the bucket outgrows
-the caches), and the dense all-reduce of `entries` float32 entries (the
+into a bucket of `entries` (a pair costs 5-15x more where the bucket
+outgrows the caches), and the dense all-reduce of `entries` float32 entries (the
 model's gradients) when that is affordable.
 Where the line predicts the dense step and a sparse one (`trial_density`)
 within CLOSE_CALL of each other, both steps are timed whole on the model's
@@ -48,7 +48,7 @@ SELECTION_DENSITY = 0.01
 # Densifying is timed on a bucket of the model's size (SELECTION_ENTRIES where none is
 # given), with SELECTION_DENSITY of it as pairs but at least MIN_TIMED_PAIRS: a pair's
 # scatter costs more where the bucket outgrows the caches (on this machine 28-34 us per
-# thousand pairs into 1M entries, more into the 12.6M of the wide MLP).
+# thousand pairs into 1M entries, 5-15x that into the 12.6M of the wide MLP).
 MIN_TIMED_PAIRS = 4096
 # The trial times the dense and the sparse step whole where the line predicts neither
 # this many times faster than the other (farther apart, the line's error cannot flip the choice).
@@ -240,9 +240,10 @@ def interleaved_medians(functions, repeats):
 def median_difference(function, baseline, repeats):
     """Median over `repeats` rounds of what `function` took beyond `baseline`
     called right after it: a small difference of two larger times, which
-    the difference of their separate medians buries in load (a densifying
-    cost read 0 to 99 us per thousand pairs on 4 busy workers that way, 25-35
-    paired)."""
+    the difference of their separate medians buries in load (on 4 busy
+    workers a densifying cost read 53,800-311,259 us per M pairs that way,
+    27,647-34,397 paired in 9 of 12 calibrations: benchmarks/RESULTS.md,
+    remedy 8)."""
     first, second = _interleaved_times([function, baseline], repeats)
     return statistics.median(a - b for a, b in zip(first, second))
 

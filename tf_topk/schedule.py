@@ -215,8 +215,8 @@ class AdaptiveDensity:
     depth follows the density in use (`profile_depth`: PROFILE_HEADROOM times
     it, at most max_density), so a step at density 0.001 does not pay for a
     profile down to 0.1; beyond the depth a larger k gains nothing, so the
-    next step's density is at most PROFILE_HEADROOM times this one's. Every replica proposes a density from its own gradient,
-    as a vote over the candidates (`candidates`); the votes travel in the
+    next step's density is at most about PROFILE_HEADROOM times this one's.
+    Every replica proposes a density from its own gradient, as a vote over the candidates (`candidates`); the votes travel in the
     step's collective (GRID_POINTS + 1 floats) and their lower median
     (`agree`) is the density of the NEXT step on every replica, so replicas
     always agree, on a density one of them chose, and no collective is
@@ -291,8 +291,8 @@ class AdaptiveDensity:
         PROFILE_HEADROOM * `density` (a float64 tensor; max_density's level at
         and above it, the dense end included), as an int32 tensor."""
         levels = tf.constant(self.profile_levels(), tf.float64)
-        wanted = tf.minimum(PROFILE_HEADROOM * tf.cast(tf.convert_to_tensor(density, dtype_hint=tf.float64), tf.float64),
-                            self.max_density)
+        density = tf.cast(tf.convert_to_tensor(density, dtype_hint=tf.float64), tf.float64)  # a float: exactly
+        wanted = tf.minimum(PROFILE_HEADROOM * density, self.max_density)
         covering = tf.reduce_sum(tf.cast(levels >= wanted * (1.0 - 1e-9), tf.int32))
         return tf.maximum(covering - 1, 0)
 
