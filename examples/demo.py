@@ -1,8 +1,9 @@
 """The main job (`make demo`): two local workers, dense all-reduce vs TopK vs the autopilot, side by side.
 
 Runs examples/digits_fit.py three times through the launcher (MultiWorkerMirroredStrategy
-over localhost, TF_CONFIG on free ports): dense, TopK at --density, and
-density="autopilot" (which measures localhost and chooses). Prints test accuracy,
+over localhost, TF_CONFIG on free ports): dense, TopK at --density, and the
+autopilot, TopKOptimizer's default when no density is given (it measures
+localhost and chooses). Prints test accuracy,
 bytes each worker sends per step and median step time for each, what the
 autopilot found and chose, and what `python -m tf_topk.bench advise` predicts
 for this model on a 1 Gbit/s and a 100 Mbit/s cluster of as many workers.
@@ -48,7 +49,7 @@ def main(argv=None):
         rows = [("dense all-reduce", run("dense", args.workers, args.epochs, ["--dense"], folder)),
                 (f"TopK density {args.density}",
                  run("topk", args.workers, args.epochs, ["--density", str(args.density)], folder)),
-                ("autopilot", run("autopilot", args.workers, args.epochs, ["--autopilot"], folder))]
+                ("autopilot (default)", run("autopilot", args.workers, args.epochs, ["--autopilot"], folder))]
     dense_bytes = rows[0][1]["bytes_per_step"]
     print()
     print(f"{'configuration':<24} {'test accuracy':>13} {'bytes/step/worker':>18} {'vs dense':>9} {'step time':>10}")

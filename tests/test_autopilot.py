@@ -72,24 +72,24 @@ def test_advise_command_calibrates_this_machine():
     assert "autopilot's route: density 0.1 -> " in proc.stdout
 
 
-def test_plan_measures_when_eager_and_assumes_when_traced(capsys):
+def test_one_replica_plans_every_entry_dense_without_measuring(capsys):
     import tensorflow as tf
 
     from tf_topk.autopilot import ASSUMED_LINK, plan
     from tf_topk.routes import ROUTES, FixedRouter
 
-    eager = plan(100_000)
-    assert eager.calibration is not None and eager.model.replicas == 1
-    assert eager.model.selection_s_per_entry > 0
-    # One replica: nothing travels, so every entry is applied as it is, with no selection spent.
-    assert eager.dense_route() == "dense" and eager.density() == 1.0
-    assert isinstance(eager.router(), FixedRouter) and eager.router().route(None, 1) is ROUTES["dense"]
+    # One replica: nothing travels, so every entry is applied as it is, with no selection spent and
+    # nothing measured (the default on one device costs nothing).
+    one = plan(100_000)
+    assert one.calibration is None and one.model.replicas == 1
+    assert one.dense_route() == "dense" and one.density() == 1.0
+    assert isinstance(one.router(), FixedRouter) and one.router().route(None, 1) is ROUTES["dense"]
+    assert capsys.readouterr().err == "tf_topk autopilot: one replica, nothing to exchange; every entry, dense\n"
+    # Traced: nothing can be timed, the typed-in link (two replicas: tests/workers/autopilot_fit.py).
     traced = []
     tf.function(lambda: traced.append(plan(100_000)) or tf.constant(0))()
     assert traced[0].calibration is None
     assert traced[0].model == dataclasses.replace(CostModel.from_link(1, ASSUMED_LINK), agreed_slots=2)
-    err = capsys.readouterr().err
-    assert "tf_topk autopilot: calibration (" in err and "every entry, dense" in err and "nothing measured" in err
 
 
 def test_plan_goes_dense_only_where_no_density_would_be_faster():
@@ -166,6 +166,39 @@ def test_two_timed_sparse_steps_cap_the_range_where_a_step_would_reach_dense_or_
     assert Plan(model, tight, n).max_density() == MIN_DENSITY
 
 
+def test_no_density_given_is_the_autopilot_where_it_can_choose_route_and_density():
+    import keras
+    import tensorflow as tf
+    import tf_keras
+
+    import tf_topk
+    from tf_topk.routes import ROUTES, FixedRouter
+
+    default = tf_topk.ExchangeConfig()
+    assert default.density is None and default.schedule.autopilot
+    # Saved as not given, so a loaded optimizer measures its own cluster again.
+    assert default.get_config()["density"] is None
+    assert tf_topk.ExchangeConfig.from_config(default.get_config()).schedule.autopilot
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1))
+    assert optimizer.density is None and optimizer.exchange_config.schedule.autopilot
+    assert type(optimizer).from_config(optimizer.get_config()).exchange_config.schedule.autopilot
+    assert tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1)).exchange_config.schedule.autopilot
+    plain_adam = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.1), momentum_correction=False)
+    assert plain_adam.exchange_config.schedule.autopilot
+    # A density given keeps it.
+    assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01).exchange_config.schedule.constant == 0.01
+    # Where the autopilot cannot choose both, the fixed 0.001: a route given by exchange_mode or a router,
+    # or Adam's momentum correction (the default for Adam and AdamW), whose frozen second moment takes one.
+    assert tf_topk.ExchangeConfig(exchange_mode="allreduce").schedule.constant == 0.001
+    assert tf_topk.TopKOptimizer(keras.optimizers.Adam(0.1)).exchange_config.schedule.constant == 0.001
+    assert tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.1)).exchange_config.schedule.constant == 0.001
+    routed = tf_topk.SparseExchange([tf.Variable(tf.zeros([5000]))], router=FixedRouter(ROUTES["allgather"]))
+    assert routed.autopilot_plan is None and routed.config.density == 0.001
+    with pytest.raises(ValueError, match="density='autopilot' chooses each bucket's route, so exchange_mode must "
+                                         "be 'auto', got 'allgather'"):
+        tf_topk.ExchangeConfig(density="autopilot", exchange_mode="allgather")
+
+
 def test_autopilot_is_a_density_that_saves_as_itself():
     import keras
 
@@ -180,13 +213,17 @@ def test_autopilot_is_a_density_that_saves_as_itself():
         tf_topk.ExchangeConfig(density="auto")
 
 
-def test_fit_on_a_local_link_takes_the_step_it_timed_faster_and_the_model_loads_in_a_new_process(tmp_path):
+def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_loads_in_a_new_process(tmp_path):
+    """TopKOptimizer(SGD) with no density: the autopilot, measured when fit builds the optimizer."""
     proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_fit.py"), str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tf_topk autopilot: calibration (" in proc.stderr
     with open(tmp_path / "fit.json") as f:
         fit = json.load(f)
-    assert fit["measured"] and fit["model"]["replicas"] == 2 and fit["density_config"] == "autopilot"
+    assert fit["measured"] and fit["model"]["replicas"] == 2 and fit["density_config"] is None
+    # A plan made in a traced function under the same strategy cannot time anything, and says so.
+    assert not fit["traced_measured"] and fit["traced_replicas"] == 2
+    assert "tf_topk autopilot: nothing measured" in proc.stderr
     # Two logical CPUs of one process: a link of memory copies, where the line predicts the dense step and
     # the sparse one within 3x of each other (a close call), so the calibration times both whole. The dense
     # one is usually the faster (0.5 ms against 0.8 ms here), but on a shared 2-core machine either can be:
@@ -200,10 +237,11 @@ def test_fit_on_a_local_link_takes_the_step_it_timed_faster_and_the_model_loads_
         assert fit["router"] == "TimedRouter" and "routes by time, adaptive density" in proc.stderr
         assert fit["stats"]["density"] <= 0.1
     assert fit["loss"][-1] < fit["loss"][0]
-    load = _run([sys.executable, "-c", "import sys, tf_topk, keras; m = keras.models.load_model(sys.argv[1]); "
-                 "print(type(m.optimizer).__name__, m.optimizer.density)", str(tmp_path / "model.keras")])
+    load = _run([sys.executable, "-c", "import sys, keras, tf_topk; m = keras.models.load_model(sys.argv[1]); "
+                 "o = m.optimizer; print(type(o).__name__, o.density, o.exchange_config.schedule.autopilot)",
+                 str(tmp_path / "model.keras")])
     assert load.returncode == 0, load.stderr[-3000:]
-    assert load.stdout.split() == ["TopKOptimizer", "autopilot"]
+    assert load.stdout.split() == ["TopKOptimizer", "None", "True"]
 
 
 def test_timed_router_takes_the_predicted_fastest_route_per_bucket():

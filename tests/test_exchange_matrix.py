@@ -7,7 +7,9 @@ variables are chosen for the cases where offsets into a bucket and spare
 slots matter: sizes that differ inside one bucket, a dense-path variable,
 gradients with fewer non-zeros than k, an all-zero gradient and a None
 gradient. Every replica's result, residuals and velocities are compared
-with `Reference` after every step.
+with `Reference` after every step. The autopilot's parts (the default: its
+route and density are its own) are checked for what must hold whatever it
+picks: every entry sent or kept whole, the sum the same on every replica.
 """
 
 import math
@@ -390,3 +392,84 @@ def test_exchange_matches_numpy(strategies, replicas, mode, sparse_output, memor
                         lambda r, v: reference.dense_velocities[v], f"{where} dense velocity")
     assert traced and all(result.grads[v] is None for result in traced for v in NONE)
     assert step.experimental_get_tracing_count() == 1  # traced once for every step
+
+
+# -- the default: the autopilot ---------------------------------------------------------------------
+
+
+def read_locals(strategy, variables):
+    return [[local.numpy().reshape(-1) for local in strategy.experimental_local_results(v)] for v in variables]
+
+
+@pytest.mark.parametrize("replicas, sparse_output, memory, link", [
+    pytest.param(p, sparse_output, memory, link, id=f"P{p}-{'sparse' if sparse_output else 'dense'}-{memory}-{link}")
+    for p in (2, 3) for sparse_output, memory in ((False, "ef"), (True, "ef"), (True, "momentum"))
+    for link in ("measured", "100mbit")])
+def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, sparse_output, memory, link):
+    """"measured": no density given, so the autopilot measures these replicas and picks the route and the
+    density (on logical CPUs usually every entry, dense). "100mbit": the parts its plan makes for a
+    typed-in 100 Mbit/s link (a TimedRouter and an adaptive density: sparse). Whatever was picked, each
+    step hands every replica the same sum, and that sum is exactly what the replicas accumulated minus
+    what they kept: an entry is sent or kept whole (with momentum correction, its velocity cleared
+    where it was sent)."""
+    from tf_topk.autopilot import Plan
+    from tf_topk.cost import CostModel
+
+    strategy = strategies[replicas]
+    options = dict(min_size=MIN_SIZE, sparse_output=sparse_output, **MEMORIES[memory])
+    with strategy.scope():
+        variables = [tf.Variable(tf.zeros(shape), name=f"v{v}") for v, (_, shape) in enumerate(VARIABLES)]
+        if link == "measured":
+            exchange = tf_topk.SparseExchange(variables, **options)
+            plan = exchange.autopilot_plan
+            assert plan is not None and plan.model.replicas == replicas and plan.calibration is not None
+        else:
+            plan = Plan(CostModel.from_link(replicas, link), None, sum(SIZES[v] for v in SPARSE))
+            assert plan.dense_route() is None
+            exchange = tf_topk.SparseExchange(variables, density=plan.density(), router=plan.router(), **options)
+    assert exchange.sparse_positions == SPARSE
+    m = np.float32(MEMORIES[memory].get("momentum", 0.0))
+    velocities = exchange.memory.velocities if m else []
+    step = make_step(strategy, exchange, [])
+    local = strategy.experimental_local_results
+    bf16 = plan.dense_route() == "dense_bf16"
+    dense_velocity = {v: np.zeros(SIZES[v], np.float32) for v in DENSE}
+    kept_any = False
+    for s in range(STEPS):
+        grads = gradients(replicas, s)
+        residuals_before = read_locals(strategy, exchange.residuals)
+        velocities_before = read_locals(strategy, velocities)
+        stacked = {v: tf.constant(np.stack([grads[r][v].reshape(VARIABLES[v][1]) for r in range(replicas)]))
+                   for v in PRESENT}
+        out, all_finite, _ = step(stacked, tf.constant(s))
+        assert [bool(f) for f in local(all_finite)] == [True] * replicas
+        residuals_after = read_locals(strategy, exchange.residuals)
+        velocities_after = read_locals(strategy, velocities)
+        for slot, v in enumerate(SPARSE):
+            if v not in PRESENT:
+                continue
+            where = f"step {s}, variable {v} {VARIABLES[v]}, plan: {plan.describe()}"
+            expected, magnitude = np.zeros(SIZES[v], np.float32), np.zeros(SIZES[v], np.float32)
+            for r in range(replicas):
+                u = m * velocities_before[slot][r] + grads[r][v] if m else grads[r][v]
+                accumulated = u + residuals_before[slot][r]
+                kept = residuals_after[slot][r]
+                sent = accumulated - kept
+                if not bf16:  # sent or kept whole; bfloat16 keeps its rounding error
+                    np.testing.assert_allclose(np.where(kept != 0, sent, 0), 0, atol=1e-6, err_msg=where)
+                if m:
+                    np.testing.assert_allclose(velocities_after[slot][r], np.where(sent != 0, 0, u), **CLOSE,
+                                               err_msg=where)
+                expected += sent
+                magnitude += np.abs(sent)
+            results = [to_dense(g, VARIABLES[v][1]) if isinstance(g, SparseGradient) else g for g in local(out[v])]
+            check_dense_gradient(results, VARIABLES[v][1], expected, where,
+                                 BF16_ROUNDING * (replicas - 1) * magnitude if bf16 else None)
+            kept_any = kept_any or any(np.any(residuals_after[slot][r] != 0) for r in range(replicas))
+        for v in DENSE:
+            total = sum(grads[r][v] for r in range(replicas))
+            if m:
+                dense_velocity[v] = m * dense_velocity[v] + total
+                total = dense_velocity[v]
+            check_dense_gradient(local(out[v]), VARIABLES[v][1], total, f"step {s}, dense-path variable {v}")
+    assert kept_any == (plan.dense_route() is None), plan.describe()  # sparse parts keep entries back

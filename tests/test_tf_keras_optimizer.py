@@ -20,7 +20,7 @@ from tf_topk.config import ExchangeConfig
 from tf_topk.selector import RandomKSelector
 from tf_topk.tf_keras import CompressionStats, TopKOptimizer, restore_optimizer_variables
 
-from multiworker import REPO_ROOT, worker_env
+from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
 
 X, Y = load_digits(return_X_y=True)
 X, Y = (X[:512] / 16.0).astype("float32"), Y[:512].astype("int32")
@@ -50,6 +50,23 @@ def run_python(code, **env):
                                capture_output=True, text=True, timeout=180)
     assert completed.returncode == 0, completed.stderr[-4000:]
     return completed.stdout
+
+
+def test_the_default_measures_when_built_before_fit_and_says_so_when_fit_builds_it():
+    """No density: the autopilot. tf_keras's fit builds the optimizer in its first traced step, where
+    nothing can be timed: the plan assumes a link and its line says to build first; built under the
+    strategy's scope before fit, it measures the two replicas. Both train."""
+    completed = subprocess.run([sys.executable, str(WORKERS_DIR / "tf_keras_default_fit.py")],
+                               env={**os.environ, **worker_env()}, cwd=REPO_ROOT, capture_output=True, text=True,
+                               timeout=180)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert not report["built_by_fit"]["measured"] and report["built_before_fit"]["measured"]
+    assert "tf_topk autopilot: nothing measured" in completed.stderr
+    assert "build the optimizer under strategy.scope() before training" in completed.stderr
+    assert "tf_topk autopilot: calibration (" in completed.stderr and "2 workers" in completed.stderr
+    for way in report.values():
+        assert way["loss"][-1] < way["loss"][0]
 
 
 @pytest.mark.parametrize("inner", [lambda: tf_keras.optimizers.SGD(0.1), lambda: tf_keras.optimizers.Adam(0.01)],

@@ -1,10 +1,11 @@
 """The autopilot: measure the cluster once, then choose routes and densities by predicted time.
 
-`SparseExchange(variables, density="autopilot")` (and `TopKOptimizer(inner,
-density="autopilot")`) calls `plan` when it is made: it calibrates the
-collectives and the selection under the strategy in use
-(`tf_topk.calibrate`), prints one line of what it found, and gives the
-exchange its parts. Where sending every entry (dense, or bfloat16 when
+The default: `TopKOptimizer(inner)` and `SparseExchange(variables)` with no
+density given (or density="autopilot"; an explicit density keeps a fixed
+one, and Adam's momentum correction keeps 0.001) call `plan` when the
+exchange is made: it calibrates the collectives and the selection under
+the strategy in use (`tf_topk.calibrate`), prints one line of what it
+found, and gives the exchange its parts. Where sending every entry (dense, or bfloat16 when
 that is faster) is predicted to beat even the sparsest step of the adaptive
 range, every step goes that way: no selection is spent (a fast link with a
 small model; the residuals stay empty). Where the prediction is a close
@@ -138,6 +139,8 @@ class Plan:
             (f" up to {top:.3g}" if top < MAX_DENSITY else "")
         if self.calibration is not None:
             return f"tf_topk autopilot: {self.calibration.describe()}{choice}"
+        if self.model.replicas == 1:
+            return f"tf_topk autopilot: one replica, nothing to exchange{choice}"
         return (f"tf_topk autopilot: nothing measured (the exchange was made in a traced function or a replica "
                 f"context; build the optimizer under strategy.scope() before training to measure), assuming "
                 f"{self.model.describe()}{choice}")
@@ -146,7 +149,8 @@ class Plan:
 def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     """The autopilot's Plan for an exchange of `entries` sparsifiable entries
     and `small_entries` dense-path ones under `strategy` (default: the
-    current one)."""
+    current one). One replica sends nothing: every entry, dense, without a
+    calibration (the default of a model trained on one device)."""
     import tensorflow as tf
 
     from tf_topk.calibrate import calibrate
@@ -155,7 +159,10 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
 
     strategy = strategy or tf.distribute.get_strategy()
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
-    if tf.executing_eagerly() and outside_replicas:
+    if strategy.num_replicas_in_sync == 1:  # nothing travels: every entry as it is, nothing to measure
+        model = CostModel.from_link(1, ASSUMED_LINK)
+        result = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries)
+    elif tf.executing_eagerly() and outside_replicas:
         found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
                           trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
                           profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)

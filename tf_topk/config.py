@@ -15,7 +15,7 @@ import math
 from typing import Any, Optional
 
 from tf_topk.ops import check_method
-from tf_topk.schedule import DensitySchedule
+from tf_topk.schedule import AUTOPILOT, DensitySchedule
 
 # Below this many entries a variable takes the dense all-reduce: its k would be
 # a handful of entries, so sparsifying saves almost nothing, while all small
@@ -24,6 +24,12 @@ from tf_topk.schedule import DensitySchedule
 DEFAULT_MIN_SIZE = 4096
 
 EXCHANGE_MODES = ("auto", "allgather", "allreduce", "dense_bf16")
+
+# density not given (None): the autopilot measures the cluster and chooses the routes and the
+# density (`tf_topk.autopilot`). Where it cannot choose both, this fixed density: a route fixed by
+# exchange_mode (or a router part), or Adam's momentum correction, whose frozen second moment
+# takes a fixed density.
+FIXED_DEFAULT_DENSITY = 0.001
 
 
 def check_min_size(min_size):
@@ -79,7 +85,12 @@ class ExchangeConfig:
     Args:
       density: a float in (0, 1], (step, density) pairs, a callable,
         "adaptive" / a `tf_topk.schedule.AdaptiveDensity`, or "autopilot"
-        (measured when the exchange is made, `tf_topk.autopilot`).
+        (measured when the exchange is made, `tf_topk.autopilot`; it
+        chooses the routes, so exchange_mode must be "auto"). None (the
+        default): "autopilot", or FIXED_DEFAULT_DENSITY (0.001) where the
+        route is fixed (exchange_mode other than "auto") or with Adam's
+        momentum correction (beta_2 set), which takes a fixed density. The
+        field stays None (saved as not given); `schedule` is what runs.
       method: "gaussian" or "exact" (the default selector's).
       min_size: variables with fewer entries take the dense all-reduce.
       bucket_bytes: bound on a bucket's pair bytes; None: one bucket.
@@ -106,7 +117,7 @@ class ExchangeConfig:
     it. `replace(**changes)` makes a checked copy.
     """
 
-    density: Any = 0.001
+    density: Any = None
     method: str = "gaussian"
     min_size: int = DEFAULT_MIN_SIZE
     bucket_bytes: Optional[int] = None
@@ -123,11 +134,14 @@ class ExchangeConfig:
 
     def __post_init__(self):
         check_method(self.method)
-        DensitySchedule(self.density)  # validates
+        self.schedule  # validates the density
         check_min_size(self.min_size)
         check_bucket_bytes(self.bucket_bytes)
         check_local_clipnorm(self.local_clipnorm)
         check_exchange_mode(self.exchange_mode)
+        if self.exchange_mode != "auto" and self.schedule.autopilot:
+            raise ValueError(f"density='autopilot' chooses each bucket's route, so exchange_mode must be 'auto', "
+                             f"got {self.exchange_mode!r}: leave density out for a fixed 0.001 on that route")
         if self.momentum is not None:
             object.__setattr__(self, "momentum", check_momentum(self.momentum))
             if not self.error_feedback:
@@ -155,8 +169,11 @@ class ExchangeConfig:
 
     @property
     def schedule(self):
-        """The DensitySchedule of `density`."""
-        return DensitySchedule(self.density)
+        """The DensitySchedule of `density` (None: the default, see the class)."""
+        if self.density is not None:
+            return DensitySchedule(self.density)
+        fixed = self.beta_2 is not None or self.exchange_mode != "auto"
+        return DensitySchedule(FIXED_DEFAULT_DENSITY if fixed else AUTOPILOT)
 
     def max_pairs(self, size):
         """The most pairs a variable of `size` entries sends in a step (its k
@@ -171,7 +188,7 @@ class ExchangeConfig:
     def get_config(self):
         """A JSON-friendly dict (`from_config` reads it back)."""
         config = dataclasses.asdict(self)
-        config["density"] = self.schedule.get_config()
+        config["density"] = None if self.density is None else self.schedule.get_config()
         return config
 
     @classmethod

@@ -46,6 +46,7 @@ import tensorflow as tf
 
 from tf_topk import autopilot, ops
 from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFAULT_MIN_SIZE: public here too)
+from tf_topk.config import FIXED_DEFAULT_DENSITY
 from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable, memory_for
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
 from tf_topk.routes import (MODE_CODES, AgreedIndexRoute, AgreedOrDenseRoute, Bucket, Router, all_reduce_dense,
@@ -91,8 +92,10 @@ class SparseExchange(tf.Module):
     Args:
       variables: the variables whose gradients are exchanged, in the order the
         gradients will be passed (for Keras: `model.trainable_variables`).
-      config: a `tf_topk.ExchangeConfig` (None: the defaults); its fields are
-        documented there: density, method, min_size, exchange_mode,
+      config: a `tf_topk.ExchangeConfig` (None: the defaults, among them no
+        density: the autopilot measures the cluster now and chooses the
+        routes and the density, or 0.001 where a router or exchange_mode
+        fixes the route); its fields are documented there: density, method, min_size, exchange_mode,
         bucket_bytes, error_feedback, momentum (correction), nesterov,
         momentum_masking, local_clipnorm, sparse_output, and Adam's momentum
         correction (beta_2, epsilon, variance_warmup_steps; the exchange
@@ -129,6 +132,8 @@ class SparseExchange(tf.Module):
             raise TypeError(f"config must be a tf_topk.ExchangeConfig, got {config!r}")
         config = config or ExchangeConfig()
         self.config = config.replace(**options) if options else config
+        if router is not None and self.config.density is None:  # a route given: the autopilot cannot choose it
+            self.config = self.config.replace(density=FIXED_DEFAULT_DENSITY)
         variables = list(variables)
         if not variables:
             raise ValueError("variables must be a non-empty list of variables, got []")

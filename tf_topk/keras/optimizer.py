@@ -9,9 +9,15 @@ and `.keras` files.
 
     with strategy.scope():
         model.compile(
-            optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), density=0.001),
+            optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
             loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     model.fit(...)
+
+With no density given, the autopilot measures the cluster when the
+optimizer is built and chooses by predicted time: every entry dense where
+no density would be faster (a fast link, a small model, one replica), else
+routes and an adaptive density (`tf_topk.autopilot`). `density=0.001` keeps
+a fixed one.
 
 Differences from the inner optimizer alone:
 - gradient clipping and weight decay of the inner optimizer act on the summed
@@ -82,7 +88,11 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         "adaptive": chosen every step for a typed-in link; "autopilot": the
         cluster measured when the optimizer is built, every entry sent where
         no density would be faster, else routes and density chosen by
-        predicted time (`tf_topk.autopilot`).
+        predicted time (`tf_topk.autopilot`). Not given (or None): the
+        autopilot, except where it cannot choose both route and density
+        (exchange_mode other than "auto", a router, or Adam's momentum
+        correction): 0.001. `opt.density` then reads None (saved as not
+        given, measured again where it is loaded).
       method: "gaussian" (default) or "exact", see `tf_topk.approx_topk`.
       min_size: variables with fewer entries (biases, normalisation) take the
         ordinary dense all-reduce, all in one packed call.

@@ -10,8 +10,15 @@ skip_gradients_aggregation=True)`, so the inner optimizer is never switched
 off or patched to skip its own all-reduce.
 
     with strategy.scope():
-        model.compile(optimizer=tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.001),
-                      loss="sparse_categorical_crossentropy")
+        optimizer = tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1))
+        model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+        optimizer.build(model.trainable_variables)   # so the autopilot can measure
+
+With no density given, the autopilot measures the cluster when the
+optimizer is built (`tf_topk.autopilot`). tf_keras's fit builds it inside
+its first traced step, where nothing can be timed (the autopilot then
+assumes a 1 Gbit/s link and says so): build it under the strategy's scope
+before fit, as above. `density=0.001` keeps a fixed density.
 
 Only the current optimizers (`tf_keras.optimizers.*`, the default since
 TensorFlow 2.11) are wrapped, not `tf_keras.optimizers.legacy.*`: each legacy
