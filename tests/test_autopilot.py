@@ -199,6 +199,35 @@ def test_no_density_given_is_the_autopilot_where_it_can_choose_route_and_density
         tf_topk.ExchangeConfig(density="autopilot", exchange_mode="allgather")
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_where_every_entry_goes_dense_momentum_correction_is_momentum_sgd(nesterov):
+    """One replica, the default density: every entry is sent, so the velocities are kept whole (momentum
+    factor masking would clear them every step and leave plain SGD): the same weights as the inner SGD
+    with its own momentum."""
+    import keras
+    import numpy as np
+
+    import tf_topk
+
+    def fit(optimizer):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128), keras.layers.Dense(10)])
+        model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+        rng = np.random.default_rng(0)
+        x, y = rng.standard_normal((128, 64)).astype("float32"), rng.integers(0, 10, 128)
+        model.fit(x, y, batch_size=32, epochs=2, verbose=0, shuffle=False)
+        return [w.numpy() for w in model.weights]
+
+    plain = fit(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=nesterov))
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=nesterov),
+                                      momentum_correction=True)
+    wrapped = fit(optimizer)
+    assert optimizer.exchange.autopilot_plan.dense_route() == "dense"
+    assert not optimizer.exchange.config.momentum_masking and optimizer.exchange_config.momentum_masking
+    for a, b in zip(plain, wrapped):
+        np.testing.assert_allclose(b, a, atol=1e-6)
+
+
 def test_autopilot_is_a_density_that_saves_as_itself():
     import keras
 

@@ -1,15 +1,16 @@
 """The autopilot: measure the cluster once, then choose routes and densities by predicted time.
 
-The default: `TopKOptimizer(inner)` and `SparseExchange(variables)` with no
-density given (or density="autopilot"; an explicit density keeps a fixed
-one, and Adam's momentum correction keeps 0.001) call `plan` when the
-exchange is made: it calibrates the collectives and the selection under
-the strategy in use (`tf_topk.calibrate`), prints one line of what it
-found, and gives the exchange its parts. Where sending every entry (dense, or bfloat16 when
-that is faster) is predicted to beat even the sparsest step of the adaptive
-range, every step goes that way: no selection is spent (a fast link with a
-small model; the residuals stay empty). Where the prediction is a close
-call, the calibration times both steps whole and the faster one is taken. Otherwise a `TimedRouter` (per
+The default: `TopKOptimizer(inner)` and `SparseExchange(variables)` with
+no density given (or density="autopilot"; an explicit density keeps a
+fixed one, and Adam's momentum correction keeps 0.001) call `plan` when
+the exchange is made: it calibrates the collectives and the selection
+under the strategy in use (`tf_topk.calibrate`), prints one line of what
+it found, and gives the exchange its parts. Where sending every entry
+(dense, or bfloat16 when that is faster) is predicted to beat even the
+sparsest step of the adaptive range, every step goes that way: no
+selection is spent (a fast link with a small model; the residuals stay
+empty). Where the prediction is a close call, the calibration times both
+steps whole and the faster one is taken. Otherwise a `TimedRouter` (per
 bucket: dense, 16-bit dense, all_gather or agreed indices, whichever is
 predicted fastest) and an `AdaptiveDensity` whose link is the measured one
 (Khirirat et al.'s most improvement per unit of cost, in the measured

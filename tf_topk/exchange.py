@@ -93,14 +93,14 @@ class SparseExchange(tf.Module):
       variables: the variables whose gradients are exchanged, in the order the
         gradients will be passed (for Keras: `model.trainable_variables`).
       config: a `tf_topk.ExchangeConfig` (None: the defaults, among them no
-        density: the autopilot measures the cluster now and chooses the
-        routes and the density, or 0.001 where a router or exchange_mode
-        fixes the route); its fields are documented there: density, method, min_size, exchange_mode,
-        bucket_bytes, error_feedback, momentum (correction), nesterov,
-        momentum_masking, local_clipnorm, sparse_output, and Adam's momentum
-        correction (beta_2, epsilon, variance_warmup_steps; the exchange
-        then needs `step=` and returns, for the sparsified variables, the
-        direction to apply by `variable -= lr * direction`).
+        density: the autopilot measures the cluster now and chooses the routes
+        and the density, or 0.001 where a router or exchange_mode fixes the
+        route); its fields are documented there: density, method, min_size,
+        exchange_mode, bucket_bytes, error_feedback, momentum (correction),
+        nesterov, momentum_masking, local_clipnorm, sparse_output, and Adam's
+        momentum correction (beta_2, epsilon, variance_warmup_steps; the
+        exchange then needs `step=` and returns, for the sparsified variables,
+        the direction to apply by `variable -= lr * direction`).
       **options: any of those fields, overriding `config`'s
         (`SparseExchange(variables, density=0.01, exchange_mode="auto")`).
       selector, memory: replacements for the default parts (top-k of
@@ -149,6 +149,10 @@ class SparseExchange(tf.Module):
             self.autopilot_plan = autopilot.plan(sum(spec.size for spec in specs if spec.sparse),
                                                  sum(spec.size for spec in specs if not spec.sparse) + 1)
             self.config = self.config.replace(density=self.autopilot_plan.density())
+            if self.autopilot_plan.dense_route() and self.config.momentum is not None:
+                # Every entry is sent: momentum factor masking would clear every velocity each step (plain
+                # SGD); unmasked, the replicas' velocities sum to the momentum of the summed gradient.
+                self.config = self.config.replace(momentum_masking=False)
         given_router = router
         if self.autopilot_plan:
             router = router or self.autopilot_plan.router()
