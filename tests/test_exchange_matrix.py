@@ -401,11 +401,15 @@ def read_locals(strategy, variables):
     return [[local.numpy().reshape(-1) for local in strategy.experimental_local_results(v)] for v in variables]
 
 
-@pytest.mark.parametrize("replicas, sparse_output, memory, link", [
-    pytest.param(p, sparse_output, memory, link, id=f"P{p}-{'sparse' if sparse_output else 'dense'}-{memory}-{link}")
-    for p in (2, 3) for sparse_output, memory in ((False, "ef"), (True, "ef"), (True, "momentum"))
+@pytest.mark.parametrize("replicas, sparse_output, memory, layout, link", [
+    pytest.param(p, sparse_output, memory, layout, link,
+                 id=f"P{p}-{'sparse' if sparse_output else 'dense'}-{memory}-{layout}-{link}")
+    for p in (2, 3)
+    for sparse_output, memory, layout in ((False, "ef", "one_bucket"), (True, "ef", "per_variable"),
+                                          (True, "momentum", "one_bucket"), (False, "nesterov", "per_variable"))
     for link in ("measured", "100mbit")])
-def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, sparse_output, memory, link):
+def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, sparse_output, memory, layout,
+                                                          link):
     """"measured": no density given, so the autopilot measures these replicas and picks the route and the
     density (on logical CPUs usually every entry, dense). "100mbit": the parts its plan makes for a
     typed-in 100 Mbit/s link (a TimedRouter and an adaptive density: sparse). Whatever was picked, each
@@ -416,7 +420,7 @@ def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, 
     from tf_topk.cost import CostModel
 
     strategy = strategies[replicas]
-    options = dict(min_size=MIN_SIZE, sparse_output=sparse_output, **MEMORIES[memory])
+    options = dict(min_size=MIN_SIZE, sparse_output=sparse_output, bucket_bytes=LAYOUTS[layout], **MEMORIES[memory])
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(shape), name=f"v{v}") for v, (_, shape) in enumerate(VARIABLES)]
         if link == "measured":
@@ -429,6 +433,7 @@ def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, 
             exchange = tf_topk.SparseExchange(variables, density=plan.density(), router=plan.router(), **options)
     assert exchange.sparse_positions == SPARSE
     m = np.float32(MEMORIES[memory].get("momentum", 0.0))
+    nesterov = MEMORIES[memory].get("nesterov", False)
     velocities = exchange.memory.velocities if m else []
     step = make_step(strategy, exchange, [])
     local = strategy.experimental_local_results
@@ -451,8 +456,12 @@ def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, 
             where = f"step {s}, variable {v} {VARIABLES[v]}, plan: {plan.describe()}"
             expected, magnitude = np.zeros(SIZES[v], np.float32), np.zeros(SIZES[v], np.float32)
             for r in range(replicas):
-                u = m * velocities_before[slot][r] + grads[r][v] if m else grads[r][v]
-                accumulated = u + residuals_before[slot][r]
+                if nesterov:
+                    u = m * (velocities_before[slot][r] + grads[r][v])
+                    accumulated = u + grads[r][v] + residuals_before[slot][r]
+                else:
+                    u = m * velocities_before[slot][r] + grads[r][v] if m else grads[r][v]
+                    accumulated = u + residuals_before[slot][r]
                 kept = residuals_after[slot][r]
                 sent = accumulated - kept
                 if not bf16:  # sent or kept whole; bfloat16 keeps its rounding error
@@ -468,7 +477,10 @@ def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, 
             kept_any = kept_any or any(np.any(residuals_after[slot][r] != 0) for r in range(replicas))
         for v in DENSE:
             total = sum(grads[r][v] for r in range(replicas))
-            if m:
+            if nesterov:
+                dense_velocity[v] = m * (dense_velocity[v] + total)
+                total = dense_velocity[v] + total
+            elif m:
                 dense_velocity[v] = m * dense_velocity[v] + total
                 total = dense_velocity[v]
             check_dense_gradient(local(out[v]), VARIABLES[v][1], total, f"step {s}, dense-path variable {v}")
