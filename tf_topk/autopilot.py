@@ -160,10 +160,8 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
 
     strategy = strategy or tf.distribute.get_strategy()
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
-    if strategy.num_replicas_in_sync == 1:  # nothing travels: every entry as it is, nothing to measure
-        model = CostModel.from_link(1, ASSUMED_LINK)
-        result = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries)
-    elif tf.executing_eagerly() and outside_replicas:
+    # One replica: nothing travels, so nothing to measure (the assumed link's plan is every entry, dense).
+    if strategy.num_replicas_in_sync > 1 and tf.executing_eagerly() and outside_replicas:
         found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
                           trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
                           profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)
