@@ -2,9 +2,10 @@
 
 The text task of the convergence benchmark (`tf_topk.bench.text`: next-byte
 prediction on the Python standard library's own source) in a custom training
-loop. `TopKOptimizer(AdamW)` uses Adam's momentum correction by default: dense
-AdamW for `--warmup` steps, then the second moment frozen and each replica's
-momentum of the preconditioned gradient sent by top-k with error feedback.
+loop, with Adam's momentum correction (`momentum_correction=True`, the recipe
+for Adam at a fixed low density on this task): dense AdamW for `--warmup`
+steps, then the second moment frozen and each replica's momentum of the
+preconditioned gradient sent by top-k with error feedback.
 
 One process (one replica, the whole batch):
     python examples/text_fit.py --steps 300 --density 0.01
@@ -84,7 +85,8 @@ def main(argv=None):
         if args.dense:
             optimizer = inner
         else:
-            optimizer = tf_topk.TopKOptimizer(inner, density=args.density, variance_warmup_steps=args.warmup)
+            optimizer = tf_topk.TopKOptimizer(inner, density=args.density, momentum_correction=True,
+                                              variance_warmup_steps=args.warmup)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
     @tf.function

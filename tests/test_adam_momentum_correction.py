@@ -25,6 +25,7 @@ from selection_reference import nominated_indices, top_k_indices
 
 import tf_topk
 from tf_topk.config import ExchangeConfig
+from tf_topk.memory import PRECONDITIONER_FLOOR
 
 SHAPES = [(40, 50), (300,), (3000,)]  # 2000 and 3000 entries sparsified; 300 on the dense path
 MIN_SIZE, DENSITY, REPLICAS, STEPS, WARMUP, NAN_STEP = 1000, 0.01, 2, 7, 3, 5
@@ -65,7 +66,9 @@ def reference(data, mode):
             for v in range(len(SHAPES)):
                 if v in SPARSE and t >= WARMUP:
                     slot = SPARSE.index(v)
-                    frozen_p = (np.sqrt(second[v]) + EPSILON) / math.sqrt(1 - BETA_2 ** WARMUP)
+                    root = np.sqrt(second[v])
+                    root = np.maximum(root, PRECONDITIONER_FLOOR * root.mean())
+                    frozen_p = (root + EPSILON) / math.sqrt(1 - BETA_2 ** WARMUP)
                     accumulated = []
                     for r in range(REPLICAS):
                         preconditioner = frozen_p * ratios[r][slot]
@@ -167,7 +170,7 @@ def test_during_the_warmup_it_is_keras_adamw():
     dense, ours = mlp(), mlp()
     compile_fit(dense, keras.optimizers.AdamW(0.003, weight_decay=0.05), x, y, epochs=2)
     optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003, weight_decay=0.05), density=0.01,
-                                      min_size=2000, variance_warmup_steps=1000)
+                                      min_size=2000, momentum_correction=True, variance_warmup_steps=1000)
     compile_fit(ours, optimizer, x, y, epochs=2)
     for a, b in zip(dense.get_weights(), ours.get_weights()):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
@@ -175,13 +178,14 @@ def test_during_the_warmup_it_is_keras_adamw():
 
 
 @pytest.mark.parametrize("make_inner", [lambda: keras.optimizers.Adam(0.01), lambda: keras.optimizers.AdamW(0.01)])
-def test_it_is_the_default_for_adam_and_reads_the_inner_optimizer(make_inner):
-    optimizer = tf_topk.TopKOptimizer(make_inner(), density=0.01)
+def test_it_is_opt_in_for_adam_and_reads_the_inner_optimizer(make_inner):
+    optimizer = tf_topk.TopKOptimizer(make_inner(), density=0.01, momentum_correction=True)
     config = optimizer.exchange_config
     assert optimizer.momentum_correction
     assert (config.momentum, config.beta_2, config.epsilon, config.variance_warmup_steps) == (0.9, 0.999, 1e-7, 100)
-    plain = tf_topk.TopKOptimizer(make_inner(), density=0.01, momentum_correction=False)
-    assert not plain.momentum_correction and plain.exchange_config.beta_2 is None
+    default = tf_topk.TopKOptimizer(make_inner())
+    assert not default.momentum_correction and default.exchange_config.beta_2 is None
+    assert default.density is None and default.exchange_config.schedule.autopilot  # the same default as SGD's
     sgd = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), density=0.01)
     assert not sgd.momentum_correction  # SGD's stays opt-in
 
@@ -203,11 +207,12 @@ def test_keras_file_and_checkpoint_restore_the_state_exactly(tmp_path):
     x, y = digits(512)
     model = mlp()
     optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.01, min_size=1000,
-                                      variance_warmup_steps=3)
+                                      momentum_correction=True, variance_warmup_steps=3)
     compile_fit(model, optimizer, x, y)  # 8 steps: 3 dense, 5 sparse
     memory = optimizer.exchange.memory
     state = [v.numpy().copy() for v in memory.state_variables]
-    assert np.abs(state[0]).sum() > 0 and len(state) == 5 * len(optimizer.exchange.sparse_positions)
+    assert np.abs(state[0]).sum() > 0 and len(state) == 5 * len(optimizer.exchange.sparse_positions) + 1
+    assert int(memory.steps.numpy()) == 8  # its own count of kept steps
     config = optimizer.get_config()
     assert config["momentum_correction"] is True and config["variance_warmup_steps"] == 3
     assert "beta_2" not in config  # the inner optimizer's
@@ -218,7 +223,7 @@ def test_keras_file_and_checkpoint_restore_the_state_exactly(tmp_path):
     assert loaded.optimizer.exchange_config == optimizer.exchange_config
     saved = tf.train.Checkpoint(optimizer=optimizer).save(str(tmp_path / "ckpt"))
     other = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.01, min_size=1000,
-                                  variance_warmup_steps=3)
+                                  momentum_correction=True, variance_warmup_steps=3)
     other.build(mlp(seed=3).trainable_variables)
     tf.train.Checkpoint(optimizer=other).restore(saved).assert_existing_objects_matched()
     for expected, restored in zip(state, other.exchange.memory.state_variables):
@@ -229,10 +234,13 @@ def test_mixed_precision_trains():
     x, y = digits(512)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.05, variance_warmup_steps=8)
+        optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.05, momentum_correction=True,
+                                          variance_warmup_steps=8)
         history = compile_fit(mlp(), optimizer, x, y, epochs=4)
         assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
-        assert all(v.dtype == tf.float32 for v in optimizer.exchange.memory.state_variables)
+        memory = optimizer.exchange.memory
+        assert all(v.dtype == tf.float32 for v in memory.state_variables if v is not memory.steps)
+        assert memory.steps.dtype == tf.int64
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
@@ -242,9 +250,21 @@ def test_mixed_precision_trains():
      "use amsgrad=False, or momentum_correction=False"),
     (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), variance_warmup_steps=0),
      "variance_warmup_steps must be an int >= 1, got 0"),
-    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density="adaptive"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density="adaptive", momentum_correction=True),
      "an adaptive density cannot go with Adam's momentum correction"),
     (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), sparse_updates=True),
+     "sparse_updates=True needs a keras.optimizers.SGD as inner optimizer .* got Adam"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01, clipnorm=1.0), momentum_correction=True),
+     "the inner optimizer's clipnorm=1.0 would not act on them"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01, use_ema=True), momentum_correction=True),
+     "the inner optimizer's use_ema=True would not act on them"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+                                   momentum_correction=True),
+     "gradient_accumulation_steps=2 would not act on them"),
+    (lambda: tf_topk.tf_keras.TopKOptimizer(__import__("tf_keras").optimizers.Adam(0.01, global_clipnorm=1.0),
+                                            momentum_correction=True),
+     "global_clipnorm=1.0 would not act on them"),
+    (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), sparse_updates=True, momentum_correction=True),
      "sparse_updates=True needs a keras.optimizers.SGD as inner optimizer .* got Adam"),
     (lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), config=ExchangeConfig(momentum=0.9)),
      "config has .* but the inner Adam has"),
@@ -258,9 +278,16 @@ def test_bad_combinations_are_refused_by_name(make, message):
         make()
 
 
-def test_a_custom_loop_exchange_without_a_step_is_refused():
+def test_the_warmup_counts_the_memorys_own_kept_steps():
+    """A custom loop needs no step: the memory counts its kept steps (a non-finite one is not
+    counted), sends every entry while warming up, then k."""
     variable = tf.Variable(tf.zeros([5000]))
-    exchange = tf_topk.SparseExchange([variable], density=0.01, min_size=100, momentum=0.9, beta_2=0.999)
-    with pytest.raises(ValueError, match="AdamMomentumCorrectionMemory needs the step: call the exchange with step="):
-        exchange([tf.ones([5000])])
-    assert exchange([tf.ones([5000])], step=tf.constant(0)).all_finite
+    exchange = tf_topk.SparseExchange([variable], density=0.01, min_size=100, momentum=0.9, beta_2=0.999,
+                                      variance_warmup_steps=2)
+    selected = []
+    for grad in ([1.0] * 5000, [float("nan")] + [1.0] * 4999, [1.0] * 5000, [1.0] * 5000):
+        result = exchange([tf.constant(grad)])
+        selected.append((bool(result.all_finite), int(result.stats["selected"]),
+                         int(exchange.memory.steps.numpy())))
+    assert [(finite, steps) for finite, _, steps in selected] == [(True, 1), (False, 1), (True, 2), (True, 3)]
+    assert [count for finite, count, _ in selected if finite] == [5000, 5000, 50]

@@ -92,6 +92,28 @@ def test_one_replica_plans_every_entry_dense_without_measuring(capsys):
     assert traced[0].model == dataclasses.replace(CostModel.from_link(1, ASSUMED_LINK), agreed_slots=2)
 
 
+def test_any_model_size_trains_with_the_default_under_two_replicas(tmp_path):
+    """No sparsifiable variable (a 161-parameter model): the dense plan, nothing measured, one line
+    saying so (it was "fitting a link needs at least two different sizes"); one variable of exactly
+    min_size; a 4M-entry model; a plan for a single entry measures."""
+    proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_sizes.py"), str(tmp_path)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(tmp_path / "sizes.json") as f:
+        sizes = json.load(f)
+    tiny = sizes["tiny"]
+    assert tiny["entries"] == 0 and not tiny["measured"] and tiny["router"] == "FixedRouter"
+    assert tiny["line"] == ("tf_topk autopilot: no variable of min_size entries or more, nothing to sparsify: "
+                            "every entry, dense (nothing measured)")
+    for name in ("tiny", "one variable", "4M entries"):
+        assert sizes[name]["loss"][-1] < sizes[name]["loss"][0], (name, sizes[name])
+    assert sizes["one variable"]["entries"] == 4096 and sizes["one variable"]["measured"]
+    assert sizes["4M entries"]["entries"] == 4_000_000 and sizes["4M entries"]["measured"]
+    assert sizes["plan of one entry"]["measured"] and sizes["plan of one entry"]["entries"] == 1
+    advise = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "1", "--workers", "2", "--calibrate",
+                   "--budget", "0.5"])
+    assert advise.returncode == 0, advise.stderr[-3000:]
+
+
 def test_plan_goes_dense_only_where_no_density_would_be_faster():
     from tf_topk.autopilot import Plan
     from tf_topk.routes import TimedRouter
@@ -183,15 +205,16 @@ def test_no_density_given_is_the_autopilot_where_it_can_choose_route_and_density
     assert optimizer.density is None and optimizer.exchange_config.schedule.autopilot
     assert type(optimizer).from_config(optimizer.get_config()).exchange_config.schedule.autopilot
     assert tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1)).exchange_config.schedule.autopilot
-    plain_adam = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.1), momentum_correction=False)
-    assert plain_adam.exchange_config.schedule.autopilot
+    for adam in (keras.optimizers.Adam(0.1), keras.optimizers.AdamW(0.1), tf_keras.optimizers.Adam(0.1)):
+        wrapper = tf_topk.TopKOptimizer if isinstance(adam, keras.optimizers.Optimizer) else tf_topk.tf_keras.TopKOptimizer
+        assert wrapper(adam).exchange_config.schedule.autopilot  # Adam's default is SGD's
     # A density given keeps it.
     assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01).exchange_config.schedule.constant == 0.01
     # Where the autopilot cannot choose both, the fixed 0.001: a route given by exchange_mode or a router,
-    # or Adam's momentum correction (the default for Adam and AdamW), whose frozen second moment takes one.
+    # or Adam's momentum correction (asked for), whose frozen second moment takes one.
     assert tf_topk.ExchangeConfig(exchange_mode="allreduce").schedule.constant == 0.001
-    assert tf_topk.TopKOptimizer(keras.optimizers.Adam(0.1)).exchange_config.schedule.constant == 0.001
-    assert tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.1)).exchange_config.schedule.constant == 0.001
+    corrected = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.1), momentum_correction=True)
+    assert corrected.exchange_config.schedule.constant == 0.001
     routed = tf_topk.SparseExchange([tf.Variable(tf.zeros([5000]))], router=FixedRouter(ROUTES["allgather"]))
     assert routed.autopilot_plan is None and routed.config.density == 0.001
     with pytest.raises(ValueError, match="density='autopilot' chooses each bucket's route, so exchange_mode must "

@@ -130,7 +130,7 @@ def test_random_k_baseline_is_the_library_optimizer_with_only_the_selector_repla
 
 @pytest.mark.parametrize("optimizer", ["adam", "adamw"])
 def test_adam_runs_error_feedback_without_and_topk_mc_with_adams_correction(optimizer):
-    """topk_ef is top-k + EF in front of Adam (not TopKOptimizer's default for Adam);
+    """topk_ef is top-k + EF in front of Adam (TopKOptimizer's default for Adam);
     topk_mc is Adam's momentum correction, warmed up dense over the first 10% of the steps."""
     import keras
 

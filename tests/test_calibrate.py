@@ -174,6 +174,18 @@ def test_two_workers_agree_on_the_slowest_numbers(tmp_path):
     assert first["model"]["all_reduce"]["seconds_per_byte"] == pytest.approx(max(m.seconds_per_byte for m in mine))
 
 
+def test_a_worker_that_starts_late_takes_the_same_branches(tmp_path):
+    """Worker 1 calibrates 4 s after worker 0, within a 3 s budget: whether to time the dense
+    all-reduce is decided on the slowest worker's clock, agreed, so both run the same collectives
+    (deciding on each worker's own clock, worker 0 skipped the all-reduce worker 1 ran: "Collective
+    instance ... expected shape [300010] but another member ... expected shape [3]")."""
+    assert_ok(run_script("calibrate_worker.py", str(tmp_path), "workers", "late", timeout=90))
+    first, second = _read(tmp_path, 0), _read(tmp_path, 1)
+    assert first["dense_s"] == second["dense_s"] and first["model"] == second["model"]
+    assert first["dense_s"] is None  # the slowest clock was past the budget: no dense all-reduce timed
+    assert second["seconds"] < first["seconds"] - 2.0  # the late worker's own clock was not
+
+
 def test_small_variables_ride_in_the_routes_collective_except_bfloat16s():
     # Latency only (1 ms a collective), no selection or rounding cost: the count of collectives decides.
     model = CostModel(2, LinkModel(1e-3, 0.0), LinkModel(1e-3, 0.0))

@@ -36,8 +36,9 @@ def train(build_first):
     with strategy.scope():
         keras.utils.set_random_seed(1)
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
-        # Adam's momentum correction (the default for Adam): one dense step, then sparse.
-        optimizer = TopKOptimizer(keras.optimizers.Adam(0.01), density=0.25, min_size=100, variance_warmup_steps=1)
+        # Adam's momentum correction: one dense step, then sparse.
+        optimizer = TopKOptimizer(keras.optimizers.Adam(0.01), density=0.25, min_size=100, momentum_correction=True,
+                                  variance_warmup_steps=1)
         if build_first:
             optimizer.build(model.trainable_variables)
 

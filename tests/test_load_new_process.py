@@ -72,11 +72,11 @@ def saved(tmp_path_factory):
     model.save(path / "keras3.keras")
     models["keras3"] = dict(keras="keras", path=str(path / "keras3.keras"), model=model)
 
-    # Adam's momentum correction (the default for AdamW): its extra state, in a new process too.
+    # Adam's momentum correction: its extra state, in a new process too.
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
     model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01), density=0.25, min_size=100,
-                                                  variance_warmup_steps=1), loss="mse")
+                                                  momentum_correction=True, variance_warmup_steps=1), loss="mse")
     model.fit(x, y, batch_size=16, verbose=0)
     model.save(path / "keras3_adamw.keras")
     models["keras3_adamw"] = dict(keras="keras", path=str(path / "keras3_adamw.keras"), model=model)

@@ -1,5 +1,5 @@
 """Two real workers (MultiWorkerMirroredStrategy over localhost) train the byte-level transformer with
-TopKOptimizer(AdamW), whose default is Adam's momentum correction: through the dense warm-up, the
+TopKOptimizer(AdamW) with Adam's momentum correction (the example's recipe): through the dense warm-up, the
 freeze of the second moment and sparse steps, both workers end with bitwise the same weights, and
 with the model of the same two replicas run in one process."""
 

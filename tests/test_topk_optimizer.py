@@ -123,9 +123,10 @@ def test_config_round_trip_and_keras_file_restores_residuals(tmp_path):
     x, y = digits(256)
     model = mlp()
     opt = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density=[(0, 0.1), (10, 0.01)],
-                                method="exact", min_size=500, bucket_bytes=4096, variance_warmup_steps=2)
+                                method="exact", min_size=500, bucket_bytes=4096, momentum_correction=True,
+                                variance_warmup_steps=2)
     compile_fit(model, opt, x, y)
-    assert opt.momentum_correction  # Adam's, the default for Adam
+    assert opt.momentum_correction  # Adam's, asked for
     config = opt.get_config()
     clone = tf_topk.TopKOptimizer.from_config(config)
     assert isinstance(clone.inner_optimizer, keras.optimizers.Adam)

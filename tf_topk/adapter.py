@@ -135,6 +135,27 @@ def check_momentum_correction(inner_optimizer, sgd_class, adam_classes, keras_na
             f"{keras_name}.optimizers.SGD(0.1, momentum=0.9); other optimizers train with momentum_correction=False")
 
 
+# What the inner Adam does in its own `apply` that Adam's momentum correction, which applies the
+# sparsified variables' update itself, does not: attribute -> the value that means "not in use".
+_ADAM_CORRECTION_FREE = {"clipnorm": None, "clipvalue": None, "global_clipnorm": None, "use_ema": False,
+                         "gradient_accumulation_steps": None, "loss_scale_factor": None}
+
+
+def check_adam_correction_options(inner_optimizer, keras_name):
+    """Adam's momentum correction applies the sparsified variables' update
+    itself (the exchanged direction, the learning rate, decoupled weight decay
+    and the variables' constraints): an inner option acting elsewhere in
+    Adam's own `apply` would be skipped for them, so it is refused by name."""
+    for name, unused in _ADAM_CORRECTION_FREE.items():
+        value = getattr(inner_optimizer, name, unused)
+        if value != unused:
+            raise ValueError(
+                f"momentum_correction=True with {type(inner_optimizer).__name__} applies the sparsified variables' "
+                f"update itself, so the inner optimizer's {name}={value!r} would not act on them: leave {name} "
+                f"unset, or use momentum_correction=False (the default: top-k with error feedback in front of the "
+                f"inner {type(inner_optimizer).__name__}, which keeps every option)")
+
+
 def check_sparse_updates(inner_optimizer, sgd_class, keras_name, momentum_correction):
     """Sparse updates replace the inner optimizer's update of the sparsified
     variables by `variable -= lr * pairs`: only plain SGD does exactly that."""
@@ -187,8 +208,9 @@ def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name
     `options` are ExchangeConfig fields of the same name; sparse_updates is
     sparse_output; momentum_correction=True sets momentum and nesterov to the
     inner SGD's (they move into the exchange), or momentum, beta_2 and
-    epsilon to the inner Adam's; False clears them. Not given, it is on for
-    Adam and AdamW (what works for them) and as config says otherwise. A
+    epsilon to the inner Adam's; False clears them. Not given, it is as
+    config says (off by default, for every inner optimizer: top-k with error
+    feedback in front of it keeps everything the inner optimizer does). A
     config with momentum set asks for momentum correction, so its values must
     be the inner optimizer's. ExchangeConfig checks the values; here is only
     what needs the inner optimizer.
@@ -201,9 +223,11 @@ def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name
     if sparse_updates is not FROM_CONFIG:
         changes["sparse_output"] = sparse_updates
     if momentum_correction is FROM_CONFIG:
-        momentum_correction = config.momentum is not None or is_adam(inner_optimizer, adam_classes)
+        momentum_correction = config.momentum is not None
     if momentum_correction:
         check_momentum_correction(inner_optimizer, sgd_class, adam_classes, keras_name)
+        if is_adam(inner_optimizer, adam_classes):
+            check_adam_correction_options(inner_optimizer, keras_name)
         if is_adam(inner_optimizer, adam_classes):
             inner = dict(momentum=float(inner_optimizer.beta_1), nesterov=False,
                          beta_2=float(inner_optimizer.beta_2), epsilon=float(inner_optimizer.epsilon))
@@ -398,6 +422,9 @@ class TopKWrapper:
 
         tf.__internal__.distribute.interim.maybe_merge_call(
             update, tf.distribute.get_strategy(), [(d, self._tf_variable(v)) for d, v in pairs])
+        for _, variable in pairs:  # as the inner optimizer's apply does after its update
+            if getattr(variable, "constraint", None) is not None:
+                variable.assign(variable.constraint(variable))
 
     def _apply_or_skip(self, all_finite, apply, grads):
         """`apply(grads)` on every replica when all_finite, else count a skipped

@@ -2,7 +2,7 @@
 
 The default: `TopKOptimizer(inner)` and `SparseExchange(variables)` with
 no density given (or density="autopilot"; an explicit density keeps a
-fixed one, and Adam's momentum correction keeps 0.001) call `plan` when
+fixed one, and Adam's momentum correction, when asked for, keeps 0.001) call `plan` when
 the exchange is made: it calibrates the collectives and the selection
 under the strategy in use (`tf_topk.calibrate`), prints one line of what
 it found, and gives the exchange its parts. Where sending every entry
@@ -70,6 +70,8 @@ class Plan:
         replica: dense, nothing travels), else None. Where the calibration
         timed both steps whole (a close call), the measured times decide:
         "dense" where its all-reduce was no slower than the sparse step."""
+        if self.entries == 0:  # no variable large enough to sparsify
+            return "dense"
         trial = None if self.calibration is None else self.calibration.trial()
         if trial is not None:
             dense_s, sparse_s = trial
@@ -138,6 +140,9 @@ class Plan:
         top = self.max_density()
         choice = f"; every entry, {dense}" if dense else "; routes by time, adaptive density" + \
             (f" up to {top:.3g}" if top < MAX_DENSITY else "")
+        if self.entries == 0:
+            return ("tf_topk autopilot: no variable of min_size entries or more, nothing to sparsify: every "
+                    "entry, dense (nothing measured)")
         if self.calibration is not None:
             return f"tf_topk autopilot: {self.calibration.describe()}{choice}"
         if self.model.replicas == 1:
@@ -151,7 +156,9 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     """The autopilot's Plan for an exchange of `entries` sparsifiable entries
     and `small_entries` dense-path ones under `strategy` (default: the
     current one). One replica sends nothing: every entry, dense, without a
-    calibration (the default of a model trained on one device)."""
+    calibration (the default of a model trained on one device); so does an
+    exchange with no sparsifiable entries (`entries` 0: every variable below
+    min_size)."""
     import tensorflow as tf
 
     from tf_topk.calibrate import calibrate
@@ -161,7 +168,7 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     strategy = strategy or tf.distribute.get_strategy()
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
     # One replica: nothing travels, so nothing to measure (the assumed link's plan is every entry, dense).
-    if strategy.num_replicas_in_sync > 1 and tf.executing_eagerly() and outside_replicas:
+    if entries > 0 and strategy.num_replicas_in_sync > 1 and tf.executing_eagerly() and outside_replicas:
         found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
                           trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
                           profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)

@@ -16,7 +16,9 @@ a busy worker) then decides, not the line. A second sparse step at
 (`Calibration.pair_slope_s`).
 Every worker measures; the slowest decides: the numbers travel in one small
 all_gather (their maximum), so every replica builds the same `tf_topk.cost.CostModel`
-and makes the same choices. The work is bounded by `budget_s` (sizes grow
+and makes the same choices. That is the rule for every branch: it is decided on agreed
+values (the slowest worker's numbers and clock) or on inputs that are the same everywhere,
+never on one worker's own measurement, or the workers' collectives would not pair up. The work is bounded by `budget_s` (sizes grow
 geometrically and stop when the next would not fit).
 
     >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -150,14 +152,18 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     for kind in ("all_reduce", "all_gather"):
         points[kind] = _time_collective(strategy, kind, largest, budget_s / 3) if replicas > 1 else []
     selection, rounding, pair = _time_compute(SELECTION_ENTRIES, entries or SELECTION_ENTRIES)
-    local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair]
+    # The time spent so far travels with the numbers: every later branch is decided on the slowest
+    # worker's clock, the same everywhere (a worker that arrived first and waited in the first
+    # collective has a later clock of its own, and would skip a collective the others run).
+    local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair,
+             time.perf_counter() - start]
     agreed = slowest(strategy, local)
     model = CostModel(replicas, LinkModel(agreed[0], agreed[1]), LinkModel(agreed[2], agreed[3]), agreed[4],
                       agreed[5], pair_s=agreed[6])
     if entries is None:
         return Calibration(model, points, entries, None, None, time.perf_counter() - start)
     found = _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
-                        budget_s, time.perf_counter() - start)
+                        budget_s, agreed[7])
     return dataclasses.replace(found, points=points, seconds=time.perf_counter() - start)
 
 
@@ -165,7 +171,9 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
                 budget_s, elapsed):
     """A Calibration of `model` with the whole steps timed (no points, seconds 0): the
     trial where the call is close and its calls fit a third of the budget, else
-    the dense all-reduce alone where it fits what is left of the budget."""
+    the dense all-reduce alone where it fits what is left of the budget.
+    `elapsed` is the slowest worker's time so far (agreed): every branch here
+    is the same on every worker, so their collectives pair up."""
     replicas = model.replicas
     dense_predicted_s = model.route_time("dense", 0, entries, small_entries)
     dense_step = _of_size(_collective(strategy, "all_reduce"), entries + small_entries)
@@ -304,8 +312,8 @@ def _time_collective(strategy, kind, largest, budget_s):
         if slowest(strategy, [predicted])[0] > budget_s:
             break
         size = following
-    if len(points) == 1:  # a line needs two sizes: the smallest again, halved
-        size = max(1, size // 2)
+    if len(points) == 1:  # a line needs two sizes: the smallest halved (or, at one entry, the first size)
+        size = size // 2 if size > 1 else FIRST_ENTRIES
         half = _median_call(_of_size(collective, size), REPEATS)
         points.append((ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size,
                        half))

@@ -237,19 +237,15 @@ class SparseExchange(tf.Module):
         replicas = context.num_replicas_in_sync
         if self._every_entry_as_dense:
             return self._exchange_as_dense(grads, context, replicas)
-        if self.memory.needs_step and step is None:
-            raise ValueError(f"{type(self.memory).__name__} needs the step: call the exchange with step=... "
-                             "(e.g. the optimizer's iterations)")
-        at_step = {"step": step} if self.memory.needs_step else {}
         if self.config.local_clipnorm is not None:
             grads = self._clip_locally(grads, replicas)
         buckets = [self._bucket([p for p in positions if grads[p] is not None], step) for positions in self._buckets]
         buckets = [bucket for bucket in buckets if bucket.positions]
-        routes = [self._dense_while_memory_asks(self.router.route(bucket, replicas), step) for bucket in buckets]
+        routes = [self._dense_while_memory_asks(self.router.route(bucket, replicas)) for bucket in buckets]
         leader = self._leader(step, replicas) if any(route.uses_leader for route in routes) else None
         # 1. Local work, no communication but the agreement on indices: every
         #    sparsified variable's compensation and selection (the fused op).
-        selections = [self._select(bucket, route, grads, context, leader, at_step)
+        selections = [self._select(bucket, route, grads, context, leader)
                       for bucket, route in zip(buckets, routes)]
         # 2. The dense-path gradients, the non-finite count and (adaptive
         #    density) this replica's vote ride in a bucket's collective when
@@ -264,7 +260,14 @@ class SparseExchange(tf.Module):
             scalars = tf.concat([scalars, votes], 0)
         carrier = self._carrier(routes, small, scalars, replicas)
         totals = collections.defaultdict(lambda: tf.constant(0.0, tf.float32))
-        if carrier is None:
+        if carrier is None and not pieces and not self.adaptive:
+            # Every gradient present is on the dense path: the sums themselves say whether some replica's
+            # gradient was non-finite, so they travel alone, as the inner optimizer's all-reduce sends them.
+            reduced = all_reduce_dense(context, small)
+            reduced.append(tf.reshape(tf.add_n([_non_finite_count(s) for s in reduced]), [1]))
+            totals["bytes"] += ring_all_reduce_bytes(sum(self._specs[i].size * self._specs[i].dtype.size
+                                                         for i in dense_positions), replicas)
+        elif carrier is None:
             reduced = all_reduce_dense(context, small + [scalars])
             totals["bytes"] += ring_all_reduce_bytes(sum(self._specs[i].size * self._specs[i].dtype.size
                                                          for i in dense_positions) + 4.0 * int(scalars.shape[0]),
@@ -291,11 +294,11 @@ class SparseExchange(tf.Module):
             out[position] = self.memory.apply_dense(self._dense_slot[position], tensor, all_finite)
         for bucket in buckets:
             for slot, position in zip(bucket.slots, bucket.positions):
-                out[position] = self.memory.apply_sparse(slot, out[position], all_finite, **at_step)
+                out[position] = self.memory.apply_sparse(slot, out[position], all_finite)
         # 4. State changes only when every replica's step was finite: the
         #    memory's, and the density the replicas agreed on for the next step.
         agreed_density = self.adaptive.agree(reduced[-1][1:], entries) if self.adaptive else None
-        self._update_memory(buckets, selections, all_finite, agreed_density, at_step)
+        self._update_memory(buckets, selections, all_finite, agreed_density)
         return ExchangeResult(out, all_finite, self._stats(grads, pieces, totals, len(buckets), replicas))
 
     def _exchange_as_dense(self, grads, context, replicas):
@@ -307,9 +310,9 @@ class SparseExchange(tf.Module):
         flushed = {i: grads[i] + tf.cast(self.memory.residuals[self._slot[i]], grads[i].dtype)
                    for i in present if self._specs[i].sparse}
         sent = [flushed.get(i, grads[i]) for i in present]
-        count = tf.reshape(tf.add_n([_non_finite_count(g) for g in sent]), [1])
-        summed = all_reduce_dense(context, sent + [count])
-        all_finite = tf.equal(summed[-1][0], 0.0)
+        # A non-finite entry of any replica makes its sum non-finite: the sums say it, no count travels.
+        summed = all_reduce_dense(context, sent)
+        all_finite = tf.equal(tf.add_n([_non_finite_count(s) for s in summed]), 0.0)
 
         def empty_residuals():
             for i in flushed:
@@ -320,27 +323,27 @@ class SparseExchange(tf.Module):
         if flushed:
             tf.cond(all_finite, empty_residuals, lambda: tf.constant(False))
         out = [None] * len(grads)
-        for i, gradient in zip(present, summed[:-1]):
+        for i, gradient in zip(present, summed):
             out[i] = gradient
         entries = float(sum(self._specs[i].size for i in flushed))
-        dense_bytes = ring_all_reduce_bytes(sum(self._specs[i].size * self._specs[i].dtype.size for i in present)
-                                            + 4.0, replicas)
+        dense_bytes = ring_all_reduce_bytes(sum(self._specs[i].size * self._specs[i].dtype.size for i in present),
+                                            replicas)
         selected = tf.constant(entries, tf.float32)
         stats = {"density": tf.constant(1.0 if entries else 0.0, tf.float32), "selected": selected,
                  "bytes_sent": tf.constant(dense_bytes, tf.float32),
-                 "bytes_dense": tf.constant(dense_bytes - ring_all_reduce_bytes(4.0, replicas), tf.float32),
+                 "bytes_dense": tf.constant(dense_bytes, tf.float32),
                  "residual_norm": tf.constant(0.0, tf.float32), "contraction": tf.constant(0.0, tf.float32),
                  "random_k_bound": tf.constant(0.0, tf.float32),
                  "exchange_mode": tf.constant(MODE_CODES["dense"], tf.float32)}
         return ExchangeResult(out, all_finite, stats)
 
-    def _dense_while_memory_asks(self, route, step):
+    def _dense_while_memory_asks(self, route):
         """Agreed indices send every entry on the memory's dense steps: the
         nominations of k = n entries would not cover them all."""
-        if not self.memory.dense_steps or not isinstance(route, AgreedIndexRoute) or \
+        if not self.memory.may_send_every_entry or not isinstance(route, AgreedIndexRoute) or \
                 isinstance(route, AgreedOrDenseRoute):
             return route
-        return AgreedOrDenseRoute(tf.less(tf.cast(step, tf.int64), self.memory.dense_steps), route.agreement,
+        return AgreedOrDenseRoute(self.memory.sends_every_entry(), route.agreement,
                                   route.slots)
 
     def _check_call(self, grads):
@@ -353,6 +356,10 @@ class SparseExchange(tf.Module):
             raise RuntimeError("SparseExchange must be called in a replica context: inside strategy.run(...), "
                                "or outside any strategy scope")
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+        # A gradient in another float dtype than its variable's (a float64 variable, a float32 loss) is
+        # cast to the variable's, as Keras's optimizers cast it: residuals and sums are in that dtype.
+        grads = [g if g is None or g.dtype == spec.dtype or not (g.dtype.is_floating and spec.dtype.is_floating)
+                 else tf.cast(g, spec.dtype) for g, spec in zip(grads, self._specs)]
         if all(g is None for g in grads):
             raise ValueError("all gradients are None: nothing to exchange")
         return grads, context
@@ -377,7 +384,7 @@ class SparseExchange(tf.Module):
     def _bucket(self, positions, step):
         """This step's Bucket of the present `positions`, with k per variable."""
         sizes = [self._specs[p].size for p in positions]
-        max_pairs = sum(sizes) if self.memory.dense_steps else sum(self.config.max_pairs(n) for n in sizes)
+        max_pairs = sum(sizes) if self.memory.may_send_every_entry else sum(self.config.max_pairs(n) for n in sizes)
         return Bucket(positions, [self._slot[p] for p in positions], sizes,
                       [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes), [self._k(n, step) for n in sizes],
                       [self._specs[p].shape for p in positions], [self._specs[p].dtype for p in positions],
@@ -386,9 +393,8 @@ class SparseExchange(tf.Module):
     def _k(self, size, step):
         """k of a variable of `size` entries this step (all of them while the
         memory asks for dense steps)."""
-        if self.memory.dense_steps:
-            k = self._scheduled_k(size, step)
-            return tf.where(tf.less(tf.cast(step, tf.int64), self.memory.dense_steps), size, k)
+        if self.memory.may_send_every_entry:
+            return tf.where(self.memory.sends_every_entry(), size, self._scheduled_k(size, step))
         return self._scheduled_k(size, step)
 
     def _scheduled_k(self, size, step):
@@ -398,9 +404,9 @@ class SparseExchange(tf.Module):
         k = tf.cast(tf.math.ceil(self._adaptive_density.read_value() * size), tf.int32)
         return tf.clip_by_value(k, 1, size)
 
-    def _select(self, bucket, route, grads, context, leader, at_step):
+    def _select(self, bucket, route, grads, context, leader):
         """(the memory's Compensation, the route's ErrorFeedbackSelection) per member."""
-        compensations = [self.memory.compensate(slot, grads[p], **at_step)
+        compensations = [self.memory.compensate(slot, grads[p])
                          for slot, p in zip(bucket.slots, bucket.positions)]
         fused = self.selector.fused_method
         level = self.adaptive.profile_level(self._adaptive_density.read_value()) if self.adaptive else None
@@ -463,14 +469,15 @@ class SparseExchange(tf.Module):
         _, index = min((route.extra_carry_bytes(entries, replicas), i) for i, route in enumerate(routes))
         return index if carries(routes[index], entries, replicas) else None
 
-    def _update_memory(self, buckets, selections, all_finite, agreed_density, at_step):
+    def _update_memory(self, buckets, selections, all_finite, agreed_density):
         """The memory's update of every slot (and the adaptive density of the
         next step), in one branch taken only when every replica's step was
         finite (nothing is undone otherwise)."""
         def update():
             for bucket, (compensations, selection) in zip(buckets, selections):
                 for slot, compensation, piece in zip(bucket.slots, compensations, selection):
-                    self.memory.update(slot, compensation, piece.remaining, piece.values, piece.indices, **at_step)
+                    self.memory.update(slot, compensation, piece.remaining, piece.values, piece.indices)
+            self.memory.finish_step()
             if agreed_density is not None:
                 self._adaptive_density.assign(tf.cast(agreed_density, tf.float64))
             return tf.constant(True)

@@ -56,6 +56,11 @@ import tensorflow as tf
 from tf_topk.config import check_beta_2, check_epsilon, check_momentum, check_warmup_steps
 
 
+# Adam's momentum correction: sqrt(v) of the frozen second moment is at least this fraction of its
+# mean over the variable, so that entries silent during the warm-up (v = 0) are not divided by epsilon.
+PRECONDITIONER_FLOOR = 0.1
+
+
 def residual_dtype(variable_dtype):
     """Residuals accumulate many small entries: at least float32."""
     dtype = tf.as_dtype(variable_dtype)
@@ -113,11 +118,8 @@ class Memory(abc.ABC):
 
     keeps_unsent = False
     residuals = None
-    # A memory that needs the step gets it as `step=` in compensate, update
-    # and apply_sparse (the exchange then requires one).
-    needs_step = False
-    # Steps from 0 on which the exchange sends every entry (k = n).
-    dense_steps = 0
+    # Whether some steps send every entry (k = n): `sends_every_entry()` says which.
+    may_send_every_entry = False
     # Whether the summed sparse gradients the exchange returns are update
     # directions to apply by plain SGD (`variable -= lr * direction`).
     applies_update = False
@@ -146,10 +148,19 @@ class Memory(abc.ABC):
         """The summed gradient of dense-path variable `slot`, as the optimizer gets it."""
         return summed
 
-    def apply_sparse(self, slot, summed, keep, step=None):
+    def apply_sparse(self, slot, summed, keep):
         """The summed gradient of sparsified variable `slot` (a dense tensor),
         as the optimizer gets it; `keep` says whether the step is kept."""
         return summed
+
+    def sends_every_entry(self):
+        """A boolean tensor, the same on every replica: whether this step sends
+        every entry of every slot (None: never)."""
+        return None
+
+    def finish_step(self):
+        """Called once per kept step, after every slot's `update`: a memory
+        with a phase of its own (Adam's warm-up) advances its own counter."""
 
 
 def memory_for(config, residuals=None):
@@ -312,18 +323,32 @@ class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
     communication, since the applied step is the exchanged sum whatever p
     each replica used to make its part of it.
 
+    The warm-up is counted by this memory (its kept steps, saved with its
+    state), not by the optimizer's iterations: an inner Adam that already ran
+    (a model trained densely, then wrapped; a checkpoint of another method
+    restored into this one) still warms up before the freeze, where keying on
+    the iterations would freeze a second moment of zeros.
+
+    An entry that saw no gradient during the warm-up has v = 0: its p would
+    be epsilon-sized and its first gradient would move it by orders of
+    magnitude more than Adam would (embedding rows of tokens first seen
+    later, image borders, a layer unfrozen later). So sqrt(v) is floored at
+    PRECONDITIONER_FLOOR times its mean over the variable: such an entry
+    moves about as an entry of typical scale would.
+
     Per sparsified variable: the residual, u (suffix "momentum") and s with
     its frozen value (suffix "grad_scale", 2 entries), per replica; the
-    moments (suffixes "adam_m", "adam_v"), the same on every replica.
-    Dense-path variables keep the inner optimizer's full Adam.
+    moments (suffixes "adam_m", "adam_v"), the same on every replica; one
+    step counter (suffix "adam_steps"). Dense-path variables keep the inner
+    optimizer's full Adam.
 
     Args:
       beta_1, beta_2, epsilon: the inner Adam's.
       warmup_steps: dense Adam steps before the second moment freezes (>= 1).
     """
 
-    needs_step = True
     applies_update = True
+    may_send_every_entry = True
 
     def __init__(self, beta_1, beta_2, epsilon, warmup_steps):
         super().__init__()
@@ -331,8 +356,8 @@ class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
         self.beta_2 = check_beta_2(beta_2)
         self.epsilon = check_epsilon(epsilon)
         self.warmup_steps = check_warmup_steps(warmup_steps)
-        self.dense_steps = self.warmup_steps
         self.velocities = None
+        self.steps = None
         self.first_moments = None
         self.second_moments = None
         self.gradient_scales = None
@@ -344,30 +369,47 @@ class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
         self.second_moments = [make_state(v, residual_dtype(v.dtype), "adam_v", replicated=True)
                                for v in variables]
         self.gradient_scales = [make_state(_Shaped(v, [2]), tf.float32, "grad_scale") for v in variables]
+        if variables:
+            self.steps = make_state(_Shaped(None, [], name="adam_momentum_correction"), tf.int64, "adam_steps",
+                                    replicated=True)
 
     @property
     def state_variables(self):
         return (list(self.residuals or []) + list(self.velocities or []) + list(self.first_moments or [])
-                + list(self.second_moments or []) + list(self.gradient_scales or []))
+                + list(self.second_moments or []) + list(self.gradient_scales or [])
+                + ([self.steps] if self.steps is not None else []))
+
+    def step(self):
+        """This memory's kept steps so far (int64, the same on every replica)."""
+        return tf.convert_to_tensor(self.steps)
 
     def _warming_up(self, step):
-        return tf.less(tf.cast(step, tf.int64), self.warmup_steps)
+        return tf.less(step, self.warmup_steps)
+
+    def sends_every_entry(self):
+        return self._warming_up(self.step())
+
+    def finish_step(self):
+        self.steps.assign_add(1)
 
     def preconditioner(self, slot):
-        """p of the frozen second moment (before its scale factor), flat."""
-        second = _flat(self.second_moments[slot])
-        return (tf.sqrt(second) + self.epsilon) / math.sqrt(1.0 - self.beta_2 ** self.warmup_steps)
+        """p of the frozen second moment (before its scale factor), flat; sqrt(v)
+        floored at PRECONDITIONER_FLOOR times its mean over the variable."""
+        root = tf.sqrt(_flat(self.second_moments[slot]))
+        root = tf.maximum(root, PRECONDITIONER_FLOOR * tf.reduce_mean(root))
+        return (root + self.epsilon) / math.sqrt(1.0 - self.beta_2 ** self.warmup_steps)
 
-    def compensate(self, slot, grad, step):
+    def compensate(self, slot, grad):
         """Warming up: the gradient (sent whole). Then u advanced with g / p
         (kept for `update`), starting at the switch from the first moment."""
+        step = self.step()
         velocity = self.velocities[slot]
         grad = tf.reshape(tf.cast(grad, velocity.dtype), [-1])
         scale, ratio = self._gradient_scale(slot, grad, step)
         preconditioner = self.preconditioner(slot) * tf.cast(ratio, velocity.dtype)
         replicas = tf.distribute.get_replica_context().num_replicas_in_sync
         first = _flat(self.first_moments[slot]) / (1.0 - self.beta_1 ** self.warmup_steps)
-        old = tf.where(tf.equal(tf.cast(step, tf.int64), self.warmup_steps), first / (replicas * preconditioner),
+        old = tf.where(tf.equal(step, self.warmup_steps), first / (replicas * preconditioner),
                        _flat(velocity))
         new = self.beta_1 * old + (1.0 - self.beta_1) * grad / preconditioner
         return Compensation(tf.where(self._warming_up(step), grad, new),
@@ -379,22 +421,24 @@ class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
         t = tf.cast(step, tf.float32) + 1.0
         running = self.beta_2 * state[0] + (1.0 - self.beta_2) * tf.reduce_mean(tf.square(tf.cast(grad, tf.float32)))
         running_hat = running / (1.0 - self.beta_2 ** t)
-        last_warmup = tf.equal(tf.cast(step, tf.int64), self.warmup_steps - 1)
+        last_warmup = tf.equal(step, self.warmup_steps - 1)
         frozen = tf.where(last_warmup, running_hat, state[1])
         ratio = tf.where(self._warming_up(step) | tf.logical_not(frozen > 0), 1.0,
                          tf.sqrt(running_hat / tf.maximum(frozen, 1e-30)))
         return tf.stack([running, frozen]), ratio
 
-    def update(self, slot, compensation, remaining, values, indices, step):
+    def update(self, slot, compensation, remaining, values, indices):
         super().update(slot, compensation, remaining, values, indices)
         velocity = self.velocities[slot]
         new, scale = compensation.state
-        velocity.assign(tf.reshape(tf.where(self._warming_up(step), tf.zeros_like(new), new), velocity.shape))
+        velocity.assign(tf.reshape(tf.where(self._warming_up(self.step()), tf.zeros_like(new), new),
+                                   velocity.shape))
         self.gradient_scales[slot].assign(scale)
 
-    def apply_sparse(self, slot, summed, keep, step):
+    def apply_sparse(self, slot, summed, keep):
         """Warming up: Adam's direction from the summed gradient (its moments
         advanced where `keep`). Then the sum itself: it is the direction."""
+        step = self.step()
         first, second = self.first_moments[slot], self.second_moments[slot]
 
         def adam():
@@ -413,12 +457,12 @@ class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
 
 class _Shaped:
     """What a state factory needs of a variable (its name and a shape), for
-    state of another shape than the variable's."""
+    state of another shape than the variable's, or of no variable (`name`)."""
 
-    def __init__(self, variable, shape):
+    def __init__(self, variable, shape, name=None):
         self.shape = tf.TensorShape(shape)
-        self.name = getattr(variable, "name", "variable")
-        self.path = getattr(variable, "path", None)
+        self.name = name or getattr(variable, "name", "variable")
+        self.path = None if name else getattr(variable, "path", None)
 
 
 class NoMemory(Memory):

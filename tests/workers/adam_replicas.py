@@ -38,7 +38,7 @@ grads = [[[rng.standard_normal(shape).astype(np.float32) for shape in SHAPES] fo
 grads[NAN_STEP][REPLICAS - 1][0][0, 0] = np.nan  # that step is skipped on every replica
 start = [rng.standard_normal(shape).astype(np.float32) for shape in SHAPES]
 strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
-options = dict(density=config["density"], method="exact", min_size=config["min_size"],
+options = dict(density=config["density"], method="exact", min_size=config["min_size"], momentum_correction=True,
                variance_warmup_steps=config["warmup_steps"])
 
 

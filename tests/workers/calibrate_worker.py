@@ -1,15 +1,19 @@
-"""Calibrate under a strategy and write what was found: `calibrate_worker.py OUT_DIR workers|local:N [trial]`.
+"""Calibrate under a strategy and write what was found: `calibrate_worker.py OUT_DIR workers|local:N [trial|late]`.
 
 workers: MultiWorkerMirroredStrategy from TF_CONFIG (one replica per worker);
 local:N: MirroredStrategy over N logical CPUs of this process;
 trial: time the dense and two sparse steps whole (densities 0.003 and 0.03),
 however far apart the time model puts them.
+late: worker 1 starts calibrating 4 s after worker 0 (it built its model later), with a 3 s
+budget: worker 0's own clock is then past the budget when it decides whether to time the dense
+all-reduce, worker 1's is not.
 """
 
 import dataclasses
 import json
 import os
 import sys
+import time
 
 import tensorflow as tf
 
@@ -27,10 +31,12 @@ else:
 import tf_topk.calibrate  # noqa: E402
 from tf_topk.gather import gathers_in_one_collective  # noqa: E402
 
-trial = sys.argv[3:] == ["trial"]
+trial, late = sys.argv[3:] == ["trial"], sys.argv[3:] == ["late"]
 if trial:
     tf_topk.calibrate.CLOSE_CALL = float("inf")
-found = tf_topk.calibrate.calibrate(strategy, entries=300_000, budget_s=1.5, small_entries=1_000,
+if late and task == 1:
+    time.sleep(4.0)
+found = tf_topk.calibrate.calibrate(strategy, entries=300_000, budget_s=3.0 if late else 1.5, small_entries=1_000,
                                     trial_density=0.003 if trial else None,
                                     trial_max_density=0.03 if trial else None, profile_density=0.1)
 print(found.describe())

@@ -145,8 +145,7 @@ def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries
 
         common = dict(method=args.method, min_size=args.min_size,
                       router=FixedRouter(AgreedIndexRoute(args.agreement, args.agreed_slots)))
-    # Every method but topk_mc and adaptive_mc without momentum correction,
-    # which is TopKOptimizer's default for Adam and AdamW.
+    # Momentum correction only where the method names it (TopKOptimizer's default is without).
     common["momentum_correction"] = method in ("topk_mc", "adaptive_mc")
     if method == "topk_mc" and args.optimizer in ("adam", "adamw"):
         common["variance_warmup_steps"] = variance_warmup_steps(args, steps_per_epoch)

@@ -26,8 +26,14 @@ Differences from the inner optimizer alone:
   replica: no update, iterations not advanced, residuals unchanged (counted in
   `skipped_steps`);
 - no XLA: compile the model with `jit_compile=False` where Keras would pick
-  XLA (a GPU machine without a distribution strategy).
+  XLA (a GPU machine without a distribution strategy);
+- a sparse gradient (`tf.IndexedSlices`, an Embedding's) is made dense before
+  the exchange: the selection runs over the whole table, and the inner
+  optimizer updates it as it updates a dense gradient (the same values as
+  Keras, at the cost of a pass over every row).
 """
+
+import warnings
 
 import keras
 import numpy as np
@@ -56,6 +62,23 @@ def disable_dense_all_reduce(optimizer):
 
 def _no_all_reduce(grads_and_vars):
     return list(grads_and_vars)
+
+
+def _numbered_name(prefix):
+    """`prefix`, then `prefix_1`, `prefix_2`, ... as Keras numbers its own optimizers."""
+    uid = keras.backend.get_uid(prefix)
+    return prefix if uid == 1 else f"{prefix}_{uid - 1}"
+
+
+def _check_gradients(grads, trainable_variables):
+    """Keras's checks of `apply`'s gradients: an error when there are none, a
+    warning naming the variables that have none."""
+    if not any(g is not None for g in grads):
+        raise ValueError("No gradients provided for any variable.")
+    missing = [getattr(v, "path", None) or v.name for g, v in zip(grads, trainable_variables) if g is None]
+    if missing:
+        warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss. If using "
+                      "`model.compile()`, did you forget to provide a `loss` argument?")
 
 
 def _check_all_reduce_hook(optimizer):
@@ -91,8 +114,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         predicted time (`tf_topk.autopilot`). Not given (or None): the
         autopilot, except where it cannot choose both route and density
         (exchange_mode other than "auto", a router, or Adam's momentum
-        correction): 0.001. `opt.density` then reads None (saved as not
-        given, measured again where it is loaded).
+        correction when asked for): 0.001. `opt.density` then reads None
+        (saved as not given, measured again where it is loaded).
       method: "gaussian" (default) or "exact", see `tf_topk.approx_topk`.
       min_size: variables with fewer entries (biases, normalisation) take the
         ordinary dense all-reduce, all in one packed call.
@@ -110,9 +133,14 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         already built up. For an inner `Adam` or `AdamW`, Adam's momentum
         correction (`tf_topk.memory.AdamMomentumCorrectionMemory`): dense
         AdamW for `variance_warmup_steps` steps, then the second moment frozen
-        and each replica's momentum of the preconditioned gradient sent; the
-        default for Adam and AdamW (False: top-k with error feedback in
-        front of the inner Adam). Any other inner optimizer: a ValueError.
+        and each replica's momentum of the preconditioned gradient sent
+        (closer to dense Adam at low density; it applies the sparsified
+        variables' update itself, so the inner Adam's clipnorm, clipvalue,
+        global_clipnorm, use_ema, gradient_accumulation_steps and
+        loss_scale_factor are refused with it). Off unless asked for, for
+        every inner optimizer: the default is top-k with error feedback in
+        front of the inner optimizer, which keeps every option of it. Any
+        other inner optimizer: a ValueError.
       variance_warmup_steps: with Adam's momentum correction, the dense
         steps before the second moment freezes (default 100; 10% of the
         run or less is enough).
@@ -181,7 +209,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             sparse_updates=sparse_updates)
         parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "keras")
-        super().__init__(learning_rate=0.0, name=name or "topk_optimizer")
+        super().__init__(learning_rate=0.0, name=name or _numbered_name("topk_optimizer"))
         apply_mwms_fix()  # keras#20585: model.fit under MultiWorkerMirroredStrategy
         apply_loss_scale_fix()  # mixed precision: all replicas agree on skipping a step
         self.inner_optimizer = inner_optimizer
@@ -236,10 +264,29 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             else:
                 variable.assign(value)
 
+    def set_weights(self, weights):
+        """As Keras, over `variables`: this optimizer's and then the inner
+        optimizer's (iterations, moments, ...), in `variables`' order."""
+        if not self.built:
+            return super().set_weights(weights)  # Keras's error: build first
+        weights = list(weights)
+        if len(weights) != len(self.variables):
+            raise ValueError(f"set_weights got {len(weights)} arrays, but {self.name} has {len(self.variables)} "
+                             "variables (its own, then the inner optimizer's): pass one per variable")
+        for variable, weight in zip(self.variables, weights):
+            if tuple(variable.shape) != tuple(np.shape(weight)):
+                raise ValueError(f"Optimizer variable {variable.path} has shape {variable.shape} not compatible "
+                                 f"with provided weight shape {np.shape(weight)}")
+            variable.assign(weight)
+
     # -- delegation (as LossScaleOptimizer) -----------------------------------
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """The inner optimizer's: it is the one that decays (before `build`)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     # -- the step -------------------------------------------------------------
 
@@ -247,6 +294,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         grads, trainable_variables = list(grads), list(trainable_variables)
+        _check_gradients(grads, trainable_variables)
         if not self.built:
             # Eagerly, as tf_keras builds: variables made while a tf.function
             # traces are initialised in its first-call cond, which under
@@ -296,11 +344,15 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
                 variable.assign(variable.constraint(variable))
 
     def apply_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            raise ValueError("No gradients provided for any variable.")
         grads, trainable_variables = zip(*grads_and_vars)
         return self.apply(list(grads), list(trainable_variables))
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        raise NotImplementedError("TopKOptimizer needs the TensorFlow backend's stateful apply")
+        raise ValueError("stateless_apply is not supported by TopKOptimizer: it needs the TensorFlow backend's "
+                         "stateful apply (as Keras's own optimizers do with that backend)")
 
     # -- serialization --------------------------------------------------------
 

@@ -160,7 +160,12 @@ def all_reduce_dense(context, tensors):
         by_dtype.setdefault(tensor.dtype, []).append(position)
     summed = [None] * len(tensors)
     for positions in by_dtype.values():
-        for position, value in zip(positions, context.all_reduce(tf.distribute.ReduceOp.SUM,
-                                                                 [tensors[p] for p in positions])):
-            summed[position] = value
+        # Each tensor object once: one given twice in a call (a gradient tensor made outside
+        # strategy.run, applied to two variables) fails in TensorFlow's collective ("IndexError: tuple
+        # index out of range"). Across replicas such a tensor is one value, which TensorFlow's
+        # all-reduce does not multiply by the replicas, as for Keras's own optimizers.
+        unique = list({id(tensors[p]): tensors[p] for p in positions}.values())
+        reduced = dict(zip(map(id, unique), context.all_reduce(tf.distribute.ReduceOp.SUM, unique)))
+        for position in positions:
+            summed[position] = reduced[id(tensors[position])]
     return summed

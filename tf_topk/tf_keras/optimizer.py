@@ -66,8 +66,8 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
     (Keras 3): inner_optimizer (a `tf_keras.optimizers.Optimizer`, not a
     legacy one, not a LossScaleOptimizer), density, method, min_size,
     bucket_bytes, error_feedback, momentum_correction (for an inner
-    `tf_keras.optimizers.SGD` with momentum > 0; Adam's, and the default, for
-    an inner `Adam` or `AdamW`), variance_warmup_steps, local_clipnorm, name,
+    `tf_keras.optimizers.SGD` with momentum > 0, or Adam's for an inner
+    `Adam` or `AdamW`; off unless asked for), variance_warmup_steps, local_clipnorm, name,
     exchange_mode, and `config` (a `tf_topk.ExchangeConfig`, whose fields the
     arguments given replace), selector, memory and router (parts for the
     exchange; `get_config` of an optimizer given any raises

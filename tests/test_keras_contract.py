@@ -1,0 +1,133 @@
+"""TopKOptimizer keeps the Keras optimizer contract: what the inner optimizer does to a gradient or a
+variable happens with the wrapper too, and the optimizer API behaves as Keras's.
+
+Density 1.0 sends every entry: the wrapped optimizer must then train exactly as the inner one alone,
+with each inner option turned on. The model has a kernel above min_size (the top-k path) and
+variables below it (the dense path).
+"""
+
+import subprocess
+import sys
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from digits_models import digits, mlp
+from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+
+import tf_topk
+
+
+def train(optimizer, model=None, epochs=2, n=320):
+    x, y = digits(n)
+    model = model or mlp()
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  jit_compile=False)
+    model.fit(x, y, batch_size=32, epochs=epochs, verbose=0, shuffle=False)
+    return model
+
+
+INNER_OPTIONS = {
+    "clipnorm": lambda: keras.optimizers.AdamW(0.01, clipnorm=0.1),
+    "clipvalue": lambda: keras.optimizers.Adam(0.01, clipvalue=0.01),
+    "global_clipnorm": lambda: keras.optimizers.AdamW(0.01, global_clipnorm=0.1),
+    "use_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_overwrite_frequency=3),
+    "gradient_accumulation_steps": lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=2),
+    "amsgrad": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+    "sgd nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("option", INNER_OPTIONS)
+def test_every_inner_option_acts_as_it_does_without_the_wrapper(option):
+    """The default method for Adam too: `|TopK(AdamW(clipnorm=1)) - AdamW(clipnorm=1)|` was 3.5e-2,
+    a NonNeg kernel went to -0.816, accumulation moved the variable on every micro-batch."""
+    make = INNER_OPTIONS[option]
+    alone = train(make())
+    wrapped = train(tf_topk.TopKOptimizer(make(), density=1.0))
+    for a, b in zip(alone.get_weights(), wrapped.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_constraint_holds_on_the_top_k_path_and_with_adams_correction():
+    def model():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential([keras.Input((64,)),
+                                 keras.layers.Dense(128, activation="relu", kernel_constraint=keras.constraints.NonNeg()),
+                                 keras.layers.Dense(10)])
+
+    alone = train(keras.optimizers.Adam(0.01), model())
+    wrapped = train(tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density=1.0), model())
+    np.testing.assert_allclose(wrapped.get_weights()[0], alone.get_weights()[0], rtol=1e-5, atol=1e-6)
+    corrected = train(tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density=0.05, momentum_correction=True,
+                                            variance_warmup_steps=3), model())
+    assert corrected.get_weights()[0].min() >= 0.0
+
+
+def test_exclude_from_weight_decay_on_the_wrapper_reaches_the_inner_optimizer():
+    alone = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+    alone.exclude_from_weight_decay(var_names=["dense"])
+    wrapped = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01, weight_decay=0.5), density=1.0)
+    wrapped.exclude_from_weight_decay(var_names=["dense"])
+    for a, b in zip(train(alone).get_weights(), train(wrapped).get_weights()):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_set_weights_reaches_the_inner_optimizers_state():
+    source = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density=1.0)
+    train(source)
+    target = tf_topk.TopKOptimizer(keras.optimizers.Adam(0.01), density=1.0)
+    target.build(mlp(seed=1).trainable_variables)
+    target.set_weights([v.numpy() for v in source.variables])
+    assert int(target.iterations.numpy()) == int(source.iterations.numpy()) > 0
+    for a, b in zip(source.inner_optimizer.variables, target.inner_optimizer.variables):
+        np.testing.assert_array_equal(b.numpy(), a.numpy())
+    with pytest.raises(ValueError, match=r"set_weights got 1 arrays, but .* has \d+ variables"):
+        target.set_weights([np.zeros(())])
+
+
+def test_wrappers_are_numbered_as_keras_numbers_optimizers():
+    first, second = (tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)) for _ in range(2))
+    assert first.name.startswith("topk_optimizer") and first.name != second.name
+    assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), name="mine").name == "mine"
+
+
+def test_a_float64_variable_takes_a_float32_gradient_as_keras_casts_it():
+    variables = [keras.Variable(np.ones(5000), dtype="float64"), keras.Variable(np.ones(10), dtype="float64")]
+    grads = [tf.linspace(0.0, 1.0, 5000), tf.fill([10], 0.5)]  # float32
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01, min_size=1000, method="exact")
+    optimizer.apply(grads, variables)
+    assert variables[0].dtype == "float64"
+    moved = np.flatnonzero(variables[0].numpy() != 1.0)
+    np.testing.assert_array_equal(moved, np.arange(4950, 5000))  # the top 50
+    np.testing.assert_allclose(variables[0].numpy()[moved], 1.0 - 0.1 * np.linspace(0.0, 1.0, 5000)[moved], rtol=1e-6)
+    np.testing.assert_allclose(variables[1].numpy(), 0.95)
+
+
+def test_no_gradient_is_keras_error_and_a_missing_one_keras_warning():
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=1.0)
+    variables = [keras.Variable(np.ones(8, np.float32)), keras.Variable(np.ones(8, np.float32))]
+    with pytest.raises(ValueError, match="No gradients provided for any variable."):
+        optimizer.apply([None, None], variables)
+    with pytest.raises(ValueError, match="No gradients provided for any variable."):
+        optimizer.apply_gradients([])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.apply([tf.ones(8), None], variables)
+    assert any("Gradients do not exist for variables" in str(w.message) for w in caught)
+    np.testing.assert_allclose(variables[0].numpy(), 0.9)
+    with pytest.raises(ValueError, match="stateless_apply is not supported"):
+        optimizer.stateless_apply([], [], [])
+
+
+@pytest.mark.slow
+def test_a_gradient_made_outside_strategy_run_is_summed_under_mirrored_strategy():
+    """Keras's own distribute tests hand the same tensor to every replica: the wrapper's dense route
+    gave those objects to the collective, which failed with IndexError."""
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "outside_gradient.py")], cwd=REPO_ROOT,
+                          env=worker_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.split()[0] == "SAME", proc.stdout
