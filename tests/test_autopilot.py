@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
-from tf_topk.autopilot import advise
+from tf_topk.autopilot import Plan, advise
 from tf_topk.cost import CostModel, LinkModel
 
 WIDE = 12_609_546  # the e2e benchmark's wide model
@@ -33,12 +33,33 @@ def test_advice_is_the_cost_model_and_never_slower_than_dense(link, workers):
     dense = rows["dense"]["seconds"]
     assert dense == pytest.approx(model.all_reduce.time(2 * (workers - 1) / workers * 4 * WIDE))
     assert rows["dense_bf16"]["bytes"] == pytest.approx(rows["dense"]["bytes"] / 2)
+    priced = dataclasses.replace(model, agreed_slots=2)  # agreed indices on 2k, as the autopilot sends them
     for density, route in advice["choices"].items():
         k = rows[f"topk:{density:g}@allgather"]["k"]
-        assert route == model.choose(WIDE, k)
-        assert model.route_time(route, k, WIDE) <= dense
+        assert route == priced.choose(WIDE, k)
+        assert priced.route_time(route, k, WIDE) <= dense
     # Rounding 12.6M entries (12.6 ms) against the time half the bytes save: at 100 Gbit/s and 2 workers, 2 ms.
     assert advice["dense_end"] == ("dense" if link == "100gbit" else "dense_bf16")
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8, 16])
+@pytest.mark.parametrize("link", ["100mbit", "1gbit", "10gbit", "100gbit"])
+def test_advise_names_the_route_the_autopilots_exchange_takes(link, workers):
+    """One planner: `advise`'s autopilot line is what the router of the plan an optimizer makes from
+    the same cost model gives its bucket (it priced agreed indices on k, the plan on 2k: at 4 workers
+    and 100 Mbit/s advise said allreduce where the plan took all_gather)."""
+    import tensorflow as tf
+
+    from tf_topk.routes import Bucket
+
+    for entries in (5_000, 200_000, WIDE):
+        model = CostModel.from_link(workers, link)
+        plan = Plan(dataclasses.replace(model, agreed_slots=2), None, entries)
+        k = tf.constant(max(1, round(0.001 * entries)))  # an adaptive density's k: a tensor
+        bucket = Bucket([0], [0], [entries], [0], entries, [k], [(entries,)], [tf.float32],
+                        max(1, math.ceil(plan.max_density() * entries)))
+        taken = plan.router().route(bucket, workers).name
+        assert advise(model, entries)["autopilot"] == taken, (link, workers, entries)
 
 
 def test_a_fast_link_advises_dense_for_a_small_model():
@@ -56,8 +77,9 @@ def test_advise_command_describes_a_cluster(tmp_path):
     rows = {row["config"]: row for row in out["rows"]}
     # all_gather sends (P-1) * 8k, agreed indices two ring all-reduces of 4k: 7.06 MB and 1.77 MB at k = 126,096.
     assert rows["topk:0.01@allgather"]["bytes"] == 7 * 8 * 126_096
-    assert rows["topk:0.01@allreduce"]["bytes"] == pytest.approx(2 * 2 * 7 / 8 * 4 * 126_096)
+    assert rows["topk:0.01@allreduce"]["bytes"] == pytest.approx(2 * 2 * 7 / 8 * 4 * 2 * 126_096)  # on 2k slots
     assert out["choices"] == {"0.01": "allreduce", "0.001": "allreduce"}
+    assert out["autopilot"] == "allreduce" and out["autopilot_range"] == [0.0001, 0.1]
     proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "1000", "--link", "fast"])
     assert proc.returncode == 2 and "--link: bandwidth must look like 100mbit" in proc.stderr
     proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "0"])
@@ -69,7 +91,7 @@ def test_advise_command_calibrates_this_machine():
                  "--calibrate", "--budget", "1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("calibration (") and "2 workers" in proc.stdout.splitlines()[0]
-    assert "autopilot's route: density 0.1 -> " in proc.stdout
+    assert "fastest route at a fixed density: density 0.1 -> " in proc.stdout and "\nautopilot: " in proc.stdout
 
 
 def test_one_replica_plans_every_entry_dense_without_measuring(capsys):

@@ -31,7 +31,7 @@ import dataclasses
 import math
 import sys
 
-from tf_topk.cost import CostModel
+from tf_topk.cost import AUTO_AGREED_SLOTS, CostModel
 
 # The link assumed when nothing can be measured (an exchange made in a traced function).
 ASSUMED_LINK = "1gbit"
@@ -82,6 +82,13 @@ class Plan:
         sparse = min(self.model.route_time(route, fewest, entries, small) for route in ("allgather", "allreduce"))
         dense = self.model.choose(entries, 0, ("dense", "dense_bf16"), small)
         return dense if self.model.route_time(dense, 0, entries, small) <= sparse else None
+
+    def route(self):
+        """The route this plan's router takes for one bucket of every
+        sparsifiable entry: `dense_route()`, or the sparse route predicted
+        fastest at TYPICAL_DENSITY (as `router()` settles it)."""
+        return self.dense_route() or self.model.sparse_route_at(max(1, self.entries), TYPICAL_DENSITY,
+                                                                self.small_entries)
 
     def router(self):
         """A TimedRouter over the model, or a FixedRouter of `dense_route()` where that holds."""
@@ -162,7 +169,6 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     import tensorflow as tf
 
     from tf_topk.calibrate import calibrate
-    from tf_topk.routes import AUTO_AGREED_SLOTS  # agreed indices on 2k, as "auto" takes them
     from tf_topk.schedule import AdaptiveDensity
 
     strategy = strategy or tf.distribute.get_strategy()
@@ -184,21 +190,27 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
 
 def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0):
     """Predicted seconds per step of exchanging `entries` entries by every
-    route at every density, and what the autopilot's router would take.
+    route at every density, the fastest route at each fixed density, and
+    what the autopilot would do on `model`'s cluster (its own Plan, so the
+    same decision as an optimizer whose calibration found `model`).
 
     small_entries: dense-path entries beside them (small variables).
-    Returns {"rows": [{"config", "route", "density", "k", "bytes",
-    "seconds"}, ...] (dense and dense_bf16 once, then all_gather and agreed
-    indices per density), "choices": {density: route} (`CostModel.choose`
-    with every route open: a density whose sparse routes are slower than a
-    dense one goes dense), "dense_end": the faster of dense and dense_bf16}.
-    Which density the autopilot runs at depends on the gradients (its
-    adaptive density); every choice here is at most as slow as dense.
+    Agreed indices are priced on AUTO_AGREED_SLOTS * k, as the autopilot
+    and "auto" send them. Returns {"rows": [{"config", "route", "density",
+    "k", "bytes", "seconds"}, ...] (dense and dense_bf16 once, then
+    all_gather and agreed indices per density), "choices": {density: route}
+    (`CostModel.choose` with every route open: a density whose sparse routes
+    are slower than a dense one goes dense), "dense_end": the faster of
+    dense and dense_bf16, "autopilot": `Plan.route()`, "autopilot_range":
+    None where it sends every entry, else its density range}. Which density
+    the autopilot runs at within that range depends on the gradients.
 
     >>> advice = advise(CostModel.from_link(8, "100mbit"), 12_609_546)
-    >>> advice["dense_end"], advice["choices"][0.01], advice["choices"][0.0001]
-    ('dense_bf16', 'allreduce', 'allgather')
+    >>> advice["dense_end"], advice["choices"][0.01], advice["choices"][0.0001], advice["autopilot"]
+    ('dense_bf16', 'allreduce', 'allgather', 'allgather')
     """
+    plan = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries)
+    model = plan.model
     rows = [_row(model, route, None, 0, entries, small_entries) for route in ("dense", "dense_bf16")]
     choices = {}
     for density in densities:
@@ -206,7 +218,9 @@ def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0):
         rows += [_row(model, route, density, k, entries, small_entries) for route in ("allgather", "allreduce")]
         choices[density] = model.choose(entries, k, small_entries=small_entries)
     return {"rows": rows, "choices": choices,
-            "dense_end": model.choose(entries, 0, ("dense", "dense_bf16"), small_entries)}
+            "dense_end": model.choose(entries, 0, ("dense", "dense_bf16"), small_entries),
+            "autopilot": plan.route(), "autopilot_range": None if plan.dense_route() else (MIN_DENSITY,
+                                                                                           plan.max_density())}
 
 
 def _row(model, route, density, k, entries, small_entries):
@@ -224,7 +238,10 @@ def format_advice(model, entries, advice):
         ratio = f"{dense / r['seconds']:.2f}x" if r["seconds"] > 0 else "-"
         lines.append(f"{r['config']:<22} {r['k']:>10,} {r['bytes'] / 1e6:>10.3f} {r['seconds'] * 1e3:>10.2f} "
                      f"{ratio:>9}")
-    lines.append("autopilot's route: " + "; ".join(f"density {d:g} -> {route}"
-                                                   for d, route in advice["choices"].items())
+    lines.append("fastest route at a fixed density: " + "; ".join(f"density {d:g} -> {route}"
+                                                                  for d, route in advice["choices"].items())
                  + f"; dense end -> {advice['dense_end']}")
+    span = advice["autopilot_range"]
+    lines.append(f"autopilot: {advice['autopilot']}" + ("" if span is None else
+                                                        f", adaptive density {span[0]:g} to {span[1]:g}"))
     return "\n".join(lines)

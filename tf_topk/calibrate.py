@@ -30,6 +30,7 @@ geometrically and stop when the next would not fit).
 import dataclasses
 import math
 import statistics
+import weakref
 import time
 
 import numpy as np
@@ -209,6 +210,22 @@ def _line(points):
     return link.latency_s, link.seconds_per_byte
 
 
+def _per_strategy(make):
+    """`make(strategy, *key)` made once per strategy and key, then reused: each calibration (and each
+    agreement) would otherwise trace a new tf.function, and TensorFlow warns of retracing from the
+    fifth. Held weakly by strategy."""
+    made = weakref.WeakKeyDictionary()
+
+    def get(strategy, *key):
+        functions = made.setdefault(strategy, {})
+        if key not in functions:
+            functions[key] = make(strategy, *key)
+        return functions[key]
+
+    return get
+
+
+@_per_strategy
 def _collective(strategy, kind):
     """A function running one `kind` collective of its float32 [n] argument on every replica, traced
     once for every n (each size would otherwise cost a trace, which on a busy worker outweighs the
@@ -379,14 +396,18 @@ def slowest(strategy, values):
     local = tf.constant(values, tf.float64)
     if strategy.num_replicas_in_sync == 1:
         return [float(v) for v in local.numpy()]
+    result = strategy.experimental_local_results(_largest_over_replicas(strategy)(local))[0]
+    return [float(v) for v in result.numpy()]
 
-    @tf.function
-    def run():  # tf.distribute reduces by SUM or MEAN only: gather the rows, then take the max
+
+@_per_strategy
+def _largest_over_replicas(strategy):
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float64)])
+    def run(local):  # tf.distribute reduces by SUM or MEAN only: gather the rows, then take the max
         def replica_fn():
             rows = all_gather_rows(tf.distribute.get_replica_context(), tf.identity(local))
             return tf.reduce_max(tf.reshape(rows, [strategy.num_replicas_in_sync, -1]), axis=0)
 
         return strategy.run(replica_fn)
 
-    result = strategy.experimental_local_results(run())[0]
-    return [float(v) for v in result.numpy()]
+    return run

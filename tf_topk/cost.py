@@ -20,6 +20,13 @@ import math
 
 from tf_topk.bench.netns import parse_rate
 
+# Where "auto" takes agreed indices it agrees on twice k indices per variable:
+# at 8 replicas and density 0.01 agreed indices on k lost 1.8 points against
+# all_gather on the synthetic task, on 2k they gained 1.2 (benchmarks/RESULTS.md,
+# "Remedy 3"), for 32k(P-1)/P bytes per worker, still flat in P, and fewer than
+# all_gather's (P-1) * 8k from 5 replicas on (the same at 4: all_gather keeps the tie).
+AUTO_AGREED_SLOTS = 2
+
 # Routes the time model knows, by the names of tf_topk.routes.
 ROUTE_NAMES = ("dense", "dense_bf16", "allgather", "allreduce")
 # all_gather keeps the bucket unless agreed indices are predicted this much
@@ -187,6 +194,13 @@ class CostModel:
                 times["allgather"] <= min(t for r, t in times.items() if r != "allreduce"):
             return "allgather"
         return best
+
+    def sparse_route_at(self, entries, density, small_entries=0, max_pairs=None):
+        """The sparse route (all_gather or agreed indices) predicted fastest for
+        a bucket of `entries` at `density` (k at most max_pairs): the route the
+        autopilot's router settles on, and what `advise` reports for it."""
+        k = max(1, min(entries if max_pairs is None else max_pairs, round(density * entries)))
+        return self.choose(entries, k, ("allgather", "allreduce"), small_entries)
 
     def describe(self):
         """One line: what the model says, for logs."""

@@ -58,7 +58,7 @@ from tf_topk.config import check_beta_2, check_epsilon, check_momentum, check_wa
 
 # Adam's momentum correction: sqrt(v) of the frozen second moment is at least this fraction of its
 # mean over the variable, so that entries silent during the warm-up (v = 0) are not divided by epsilon.
-PRECONDITIONER_FLOOR = 0.1
+PRECONDITIONER_FLOOR = 0.2
 
 
 def residual_dtype(variable_dtype):

@@ -2,9 +2,9 @@
 
 Predicts, per step, what exchanging a model's gradients costs by the dense
 all-reduce, the 16-bit (bfloat16) dense all-reduce, and all_gather and
-agreed indices at a few densities, and which route the autopilot's router
-(`tf_topk.routes.TimedRouter`) takes at each density. Two sources for the
-numbers:
+agreed indices at a few densities, the fastest route at each fixed density,
+and what the autopilot would do there: the same plan (`tf_topk.autopilot.Plan`)
+an optimizer makes from the same measured model. Two sources for the numbers:
 
   a cluster one describes (no TensorFlow needed):
     python -m tf_topk.bench advise --params 12609546 --workers 8 --link 100mbit
@@ -88,7 +88,8 @@ def main(argv=None):
                                     "selection_s_per_entry": model.selection_s_per_entry,
                                     "rounding_s_per_entry": model.rounding_s_per_entry},
                           "rows": advice["rows"], "choices": {f"{d:g}": r for d, r in advice["choices"].items()},
-                          "dense_end": advice["dense_end"]}))
+                          "dense_end": advice["dense_end"], "autopilot": advice["autopilot"],
+                          "autopilot_range": advice["autopilot_range"]}))
     else:
         print(source)
         print(format_advice(model, args.params, advice))

@@ -284,6 +284,20 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
 
+    @property
+    def loss_scale_factor(self):
+        """The inner optimizer's: it scales the loss and unscales the gradients.
+        A LossScaleOptimizer around this one sets it to None, as it does for the
+        optimizer it wraps, so that gradients are not unscaled twice."""
+        inner = self.__dict__.get("inner_optimizer")
+        return None if inner is None else inner.loss_scale_factor
+
+    @loss_scale_factor.setter
+    def loss_scale_factor(self, value):
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:  # Keras's constructor sets None before the inner optimizer is here
+            inner.loss_scale_factor = value
+
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """The inner optimizer's: it is the one that decays (before `build`)."""
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
@@ -331,6 +345,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         """sparse_updates: plain SGD on the sent entries of each variable,
         through the strategy's variable update as Keras applies its own."""
         learning_rate = self.inner_optimizer.learning_rate
+        if self.loss_scale_factor is not None:  # the pairs are of the scaled loss, as the inner apply's gradients
+            learning_rate = learning_rate / self.loss_scale_factor
 
         def update(distribution, pairs):
             for grad, variable in pairs:

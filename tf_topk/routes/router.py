@@ -4,6 +4,7 @@ import abc
 
 import tensorflow as tf
 
+from tf_topk.cost import AUTO_AGREED_SLOTS
 from tf_topk.routes.agreed import AgreedIndexRoute, AgreedOrDenseRoute
 from tf_topk.routes.allgather import AllGatherRoute
 from tf_topk.routes.base import ring_all_reduce_bytes
@@ -26,12 +27,6 @@ DENSE_CARRY_BYTES = 64 * 1024
 # "Agreed indices at 4 replicas").
 ALLGATHER_SHARE = 1.0 / 16
 
-# Where "auto" takes agreed indices it agrees on twice k indices per variable:
-# at 8 replicas and density 0.01 agreed indices on k lost 1.8 points against
-# all_gather on the synthetic task, on 2k they gained 1.2 (benchmarks/RESULTS.md,
-# "Remedy 3"), for 32k(P-1)/P bytes per worker, still flat in P, and fewer than
-# all_gather's (P-1) * 8k from 5 replicas on (the same at 4: all_gather keeps the tie).
-AUTO_AGREED_SLOTS = 2
 AUTO_ROUTES = {"allgather": ROUTES["allgather"], "allreduce": AgreedIndexRoute(slots=AUTO_AGREED_SLOTS),
                "dense": ROUTES["dense"]}
 
@@ -210,8 +205,7 @@ class TimedRouter(Router):
         if all(isinstance(k, int) for k in bucket.ks):
             return self._routes[model.choose(bucket.size, sum(bucket.ks), small_entries=small)]
         if self.typical_density is not None:  # sparse was settled (the autopilot's plan): at a typical k
-            typical = max(1, min(bucket.max_pairs, round(self.typical_density * bucket.size)))
-            return self._routes[model.choose(bucket.size, typical, ("allgather", "allreduce"), small)]
+            return self._routes[model.sparse_route_at(bucket.size, self.typical_density, small, bucket.max_pairs)]
         sparse = model.choose(bucket.size, bucket.max_pairs, ("allgather", "allreduce"), small)
         dense_s = model.route_time("dense", 0, bucket.size, small)
         if model.route_time(sparse, bucket.max_pairs, bucket.size, small) <= dense_s:
