@@ -24,3 +24,16 @@ def test_bad_profile_depths_name_the_flag(depths, message, capsys):
         select.main(["--n", "1000", "--profile-depths", depths])
     err = capsys.readouterr().err
     assert "--profile-depths must be" in err and message in err
+
+
+def test_bench_help_says_what_each_subcommand_measures():
+    import subprocess
+    import sys
+
+    from tf_topk.bench.__main__ import SUBCOMMANDS
+
+    proc = subprocess.run([sys.executable, "-m", "tf_topk.bench", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for name, (_, text) in SUBCOMMANDS.items():
+        assert f"  {name:<12} {text}" in proc.stdout

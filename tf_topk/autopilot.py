@@ -145,8 +145,8 @@ class Plan:
     def describe(self):
         dense = self.dense_route()
         top = self.max_density()
-        choice = f"; every entry, {dense}" if dense else "; routes by time, adaptive density" + \
-            (f" up to {top:.3g}" if top < MAX_DENSITY else "")
+        choice = f"; every entry, {dense}" if dense else \
+            f"; {self.route()}, adaptive density {MIN_DENSITY:g} to {top:.3g}"
         if self.entries == 0:
             return ("tf_topk autopilot: no variable of min_size entries or more, nothing to sparsify: every "
                     "entry, dense (nothing measured)")

@@ -17,8 +17,7 @@ have can be studied without TensorFlow (`python -m tf_topk.bench advise`).
 
 import dataclasses
 import math
-
-from tf_topk.bench.netns import parse_rate
+import re
 
 # Where "auto" takes agreed indices it agrees on twice k indices per variable:
 # at 8 replicas and density 0.01 agreed indices on k lost 1.8 points against
@@ -26,6 +25,24 @@ from tf_topk.bench.netns import parse_rate
 # "Remedy 3"), for 32k(P-1)/P bytes per worker, still flat in P, and fewer than
 # all_gather's (P-1) * 8k from 5 replicas on (the same at 4: all_gather keeps the tie).
 AUTO_AGREED_SLOTS = 2
+
+_RATE_RE = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>kbit|mbit|gbit)$")
+_UNIT_BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def parse_rate(text):
+    """'100mbit' -> bits per second (float); 'none' -> None."""
+    text = str(text).strip().lower()
+    if text in ("none", "unlimited", "0"):
+        return None
+    m = _RATE_RE.match(text)
+    if not m:
+        raise ValueError(f"bandwidth must look like 100mbit, 1gbit, 500kbit or none, got {text!r}")
+    bits = float(m.group("num")) * _UNIT_BITS[m.group("unit")]
+    if bits <= 0:
+        raise ValueError(f"bandwidth must be positive, got {text!r}")
+    return bits
+
 
 # Routes the time model knows, by the names of tf_topk.routes.
 ROUTE_NAMES = ("dense", "dense_bf16", "allgather", "allreduce")

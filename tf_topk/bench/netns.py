@@ -33,33 +33,18 @@ import signal
 import subprocess
 import time
 
+from tf_topk.cost import parse_rate  # noqa: F401 (the benchmarks' --bandwidth, read here too)
 from tf_topk.launch import pid_alive
 
 PREFIX = "tftopk-e2e-"
 SUBNET_PREFIX = "10.213.0"  # the /24 used inside the namespaces, nowhere else
 WORKER_IFACE = "eth0"
 _NAME_RE = re.compile(r"^" + re.escape(PREFIX) + r"(?P<pid>\d+)-(?P<run>[0-9a-z]+)-(?P<role>br|w\d+)$")
-_RATE_RE = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>kbit|mbit|gbit)$")
-_UNIT_BITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 _TIME_RE = re.compile(r"^(?P<num>\d+(?:\.\d+)?)(?P<unit>us|ms|s)$")
 
 
 class NetnsError(RuntimeError):
     """A namespace command failed, or the machine cannot run the namespace mode."""
-
-
-def parse_rate(text):
-    """'100mbit' -> bits per second (float); 'none' -> None."""
-    text = str(text).strip().lower()
-    if text in ("none", "unlimited", "0"):
-        return None
-    m = _RATE_RE.match(text)
-    if not m:
-        raise ValueError(f"bandwidth must look like 100mbit, 1gbit, 500kbit or none, got {text!r}")
-    bits = float(m.group("num")) * _UNIT_BITS[m.group("unit")]
-    if bits <= 0:
-        raise ValueError(f"bandwidth must be positive, got {text!r}")
-    return bits
 
 
 def parse_latency(text):

@@ -28,15 +28,15 @@ import threading
 import keras
 import tensorflow as tf
 
+from tf_topk.adapter import TopKWrapper
+
 _lock = threading.Lock()
 _logger = logging.getLogger(__name__)
 _skip_reason = None
 
 
 def _wraps_topk(loss_scale_optimizer):
-    from tf_topk.keras.optimizer import TopKOptimizer
-
-    return isinstance(getattr(loss_scale_optimizer, "inner_optimizer", None), TopKOptimizer)
+    return isinstance(getattr(loss_scale_optimizer, "inner_optimizer", None), TopKWrapper)
 
 
 def _globally_finite(original):
