@@ -189,6 +189,29 @@ def test_a_worker_that_starts_late_takes_the_same_branches(tmp_path):
     assert second["seconds"] < first["seconds"] - 2.0  # the late worker's own clock was not
 
 
+def test_a_line_the_timed_dense_all_reduce_contradicts_is_refit_through_it():
+    """The e2e benchmark on a real 100 Mbit/s link once fitted 6,531 us + bytes at 1 Mbit/s and
+    predicted 531.6 s for a dense all-reduce timed at 7.39 s (of 12.6M entries, 4 workers)."""
+    from tf_topk.calibrate import Calibration, refit_where_contradicted
+
+    entries, rate = 12_609_546, 1e6 / 8  # bytes per second
+    misread = CostModel(4, LinkModel(6.531e-3, 1 / rate), LinkModel(13.186e-3, 1 / (5e6 / 8)))
+    found = Calibration(misread, {}, entries, 7.39, misread.route_time("dense", 0, entries), 3.0)
+    assert found.dense_predicted_s == pytest.approx(605, rel=0.2)
+    refit = refit_where_contradicted(found)
+    assert refit.refit_from_s == found.dense_predicted_s
+    assert refit.dense_predicted_s == pytest.approx(7.39)
+    sent = ring_bytes(4.0 * entries, 4)
+    assert 8 / refit.model.all_reduce.seconds_per_byte == pytest.approx(8 * sent / (7.39 - 6.531e-3))  # ~82 Mbit/s
+    assert refit.model.all_reduce.latency_s == 6.531e-3
+    # The all_gather's rate scaled alike: its ratio to the all-reduce's is kept.
+    assert refit.model.all_gather.seconds_per_byte / refit.model.all_reduce.seconds_per_byte == pytest.approx(0.2)
+    assert "the links refit through it: the fitted line predicted" in refit.describe()
+    # Within CONTRADICTED either way, the line stands.
+    close = dataclasses.replace(found, dense_s=found.dense_predicted_s / 2.5)
+    assert refit_where_contradicted(close) is close
+
+
 def test_small_variables_ride_in_the_routes_collective_except_bfloat16s():
     # Latency only (1 ms a collective), no selection or rounding cost: the count of collectives decides.
     model = CostModel(2, LinkModel(1e-3, 0.0), LinkModel(1e-3, 0.0))

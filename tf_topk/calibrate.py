@@ -56,6 +56,10 @@ MIN_TIMED_PAIRS = 4096
 # The trial times the dense and the sparse step whole where the line predicts neither
 # this many times faster than the other (farther apart, the line's error cannot flip the choice).
 CLOSE_CALL = 3.0
+# A line whose prediction of the dense all-reduce the timed one contradicts by more than this
+# factor (either way) is not used as it is: a slope from a few sizes with a TCP stall in them read
+# a 100 Mbit/s link as 1 Mbit/s and predicted 531.6 s for an all-reduce timed at 7.39 s.
+CONTRADICTED = 3.0
 # Rounds of the trial's steps, each step called once a round (the median is kept), after one
 # call of each that traces. The steps take turns, so a burst of load on the machine slows all.
 TRIAL_REPEATS = 5
@@ -72,7 +76,10 @@ class Calibration:
     the model's prediction of it; sparse_s: the measured sparse step of the
     trial (trial_k pairs of `entries` by all_gather; None when not measured)
     and sparse_predicted_s; sparse_max_s: the same step with trial_max_k
-    pairs (None when not measured); seconds: the calibration's own wall time.
+    pairs (None when not measured); seconds: the calibration's own wall time;
+    refit_from_s: where the timed dense all-reduce contradicted the line
+    (CONTRADICTED), what the line had predicted for it (the links were then
+    refit through the timed point), else None.
     """
 
     model: CostModel
@@ -86,6 +93,7 @@ class Calibration:
     trial_k: int = None
     sparse_max_s: float = None
     trial_max_k: int = None
+    refit_from_s: float = None
 
     def trial(self):
         """(dense_s, sparse_s) where both steps were timed whole, else None."""
@@ -103,6 +111,9 @@ class Calibration:
         dense = "" if self.dense_s is None else (
             f"; dense all-reduce of {self.entries:,} entries {self.dense_s * 1e3:,.1f} ms "
             f"(predicted {self.dense_predicted_s * 1e3:,.1f} ms)")
+        if self.refit_from_s is not None:
+            dense += (f" [the links refit through it: the fitted line predicted {self.refit_from_s * 1e3:,.1f} ms, "
+                      f"more than {CONTRADICTED:g}x off]")
         sparse = "" if self.sparse_s is None else (
             f", top-{self.trial_k:,} step by all_gather {self.sparse_s * 1e3:,.1f} ms "
             f"(predicted {self.sparse_predicted_s * 1e3:,.1f} ms)")
@@ -165,7 +176,34 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
         return Calibration(model, points, entries, None, None, time.perf_counter() - start)
     found = _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
                         budget_s, agreed[7])
-    return dataclasses.replace(found, points=points, seconds=time.perf_counter() - start)
+    return dataclasses.replace(refit_where_contradicted(found, small_entries), points=points,
+                               seconds=time.perf_counter() - start)
+
+
+def refit_where_contradicted(found, small_entries=0):
+    """`found`, or where the timed dense all-reduce and the line's prediction
+    of it are more than CONTRADICTED times apart, `found` with the all-reduce
+    line through the timed point (its latency kept, at most the timed time)
+    and the all_gather line's rate scaled alike (the same link carries both),
+    the predictions made again and `refit_from_s` set. Every input is agreed
+    (the slowest worker's), so every worker refits alike."""
+    if found.dense_s is None or not found.dense_predicted_s or not found.dense_s > 0:
+        return found
+    if 1.0 / CONTRADICTED <= found.dense_predicted_s / found.dense_s <= CONTRADICTED:
+        return found
+    model = found.model
+    sent = model.bytes("dense", 0, found.entries) + ring_bytes(4.0 * small_entries, model.replicas)
+    latency = min(model.all_reduce.latency_s, found.dense_s)
+    per_byte = max(0.0, found.dense_s - latency) / sent
+    old = model.all_reduce.seconds_per_byte
+    gather_per_byte = model.all_gather.seconds_per_byte * (per_byte / old) if old > 0 else per_byte
+    model = dataclasses.replace(model, all_reduce=LinkModel(latency, per_byte),
+                                all_gather=LinkModel(model.all_gather.latency_s, gather_per_byte))
+    sparse_predicted_s = None if found.trial_k is None else \
+        model.route_time("allgather", found.trial_k, found.entries, small_entries)
+    return dataclasses.replace(found, model=model, refit_from_s=found.dense_predicted_s,
+                               dense_predicted_s=model.route_time("dense", 0, found.entries, small_entries),
+                               sparse_predicted_s=sparse_predicted_s)
 
 
 def _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
