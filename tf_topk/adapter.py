@@ -336,9 +336,10 @@ class TopKWrapper:
             self._exchange_state.setdefault(suffix, []).append(state)
             return self._tf_variable(state)
 
-        # Held outside Keras tracking: its state is the variables above.
+        # Held outside Keras tracking: its state is the variables above. None when built with no
+        # variables (Keras allows `build([])`; such an optimizer then has nothing to apply to).
         object.__setattr__(self, "_exchange_object", SparseExchange(
-            var_list, self._exchange_config, make_state=make_state, **self._exchange_parts))
+            var_list, self._exchange_config, make_state=make_state, **self._exchange_parts) if var_list else None)
         self.skipped_steps = self._make_variable("skipped_steps", (), "int64", "counter")
         self._stat_variables = {stat: self._make_variable(f"compression_{stat}", (), "float32", "stat")
                                 for stat in STAT_NAMES}
@@ -387,6 +388,9 @@ class TopKWrapper:
 
     def _exchange_step(self, grads):
         """Exchange `grads` (one per variable of `build`, None allowed) and record the statistics."""
+        if self._exchange_object is None:
+            raise ValueError(f"{type(self).__name__} was built with no variables (build([])), so it has none to "
+                             "apply gradients to: build it with the variables it trains")
         result = self._exchange_object(grads, step=self.iterations)
         for stat, variable in self._stat_variables.items():
             variable.assign(tf.cast(result.stats[stat], tf.float32))

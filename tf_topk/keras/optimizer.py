@@ -97,6 +97,27 @@ _INNER_ONLY_DEFAULTS = {
 }
 
 
+def _delegated_to_inner(name):
+    """A property reading (and setting) the inner optimizer's `name`: the
+    wrapper's clipping is the inner one's, so `opt.clipnorm` reads the value
+    that acts. Keras's constructor sets the default before the inner
+    optimizer is attached, which is ignored."""
+
+    def get(self):
+        inner = self.__dict__.get("inner_optimizer")
+        return None if inner is None else getattr(inner, name)
+
+    def set(self, value):
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:
+            setattr(inner, name, value)
+
+    return property(get, set, doc=f"The inner optimizer's {name}.")
+
+
+_DELEGATED_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
+
+
 @keras.saving.register_keras_serializable(package="tf_topk")
 class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
     """Top-k gradient sparsification with error feedback around any Keras optimizer.
@@ -218,6 +239,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         _check_all_reduce_hook(self.inner_optimizer)
         self._set_exchange_config(exchange_config, parts, {"_all_reduce_sum_gradients": _no_all_reduce})
 
+    clipnorm, clipvalue, global_clipnorm = (_delegated_to_inner(name) for name in _DELEGATED_CLIPPING)
+
     # -- state ----------------------------------------------------------------
 
     def build(self, var_list):
@@ -283,6 +306,16 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
 
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
+
+    def _clip_gradients(self, grads):
+        """The inner optimizer's clipping (the wrapper's is the inner one's)."""
+        return self.inner_optimizer._clip_gradients(grads)
+
+    def get_config(self):
+        config = super().get_config()
+        for name in _DELEGATED_CLIPPING:  # the inner optimizer's, in its own config
+            config.pop(name, None)
+        return config
 
     @property
     def loss_scale_factor(self):
