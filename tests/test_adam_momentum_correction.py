@@ -291,3 +291,35 @@ def test_the_warmup_counts_the_memorys_own_kept_steps():
                          int(exchange.memory.steps.numpy())))
     assert [(finite, steps) for finite, _, steps in selected] == [(True, 1), (False, 1), (True, 2), (True, 3)]
     assert [count for finite, count, _ in selected if finite] == [5000, 5000, 50]
+
+
+@pytest.mark.parametrize("api", ["keras", "tf_keras"])
+def test_a_learning_rate_schedule_moves_the_sparsified_variables_at_this_steps_rate(api):
+    """A schedule of 0.1, then 0: the second step moves nothing (tf_keras's refreshed its rate only
+    inside the inner apply, after the directions had been applied at the previous step's 0.1)."""
+    import tf_keras
+
+    kerases = {"keras": (keras, tf_topk.TopKOptimizer, keras.Variable),
+               "tf_keras": (tf_keras, tf_topk.tf_keras.TopKOptimizer, tf.Variable)}
+    module, wrapper, make_variable = kerases[api]
+    schedule = module.optimizers.schedules.PiecewiseConstantDecay([0], [0.1, 0.0])  # step 0: 0.1, after: 0
+    variable = make_variable(np.ones(5000, np.float32))
+    optimizer = wrapper(module.optimizers.Adam(schedule), density=1.0, min_size=100, momentum_correction=True,
+                        variance_warmup_steps=1)
+    moved = []
+    for _ in range(2):
+        before = np.array(variable.numpy())
+        optimizer.apply_gradients([(tf.ones([5000]), variable)])
+        moved.append(float(np.abs(np.array(variable.numpy()) - before).max()))
+    assert moved[0] > 0.05 and moved[1] == 0.0, moved
+
+
+def test_the_correction_without_a_density_says_what_runs(capsys):
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01), momentum_correction=True, min_size=100)
+    optimizer.build([keras.Variable(np.ones(500, np.float32))])
+    assert capsys.readouterr().err == (
+        "tf_topk: Adam's momentum correction: every entry for the first 100 steps, then density 0.001 (fixed: the "
+        "autopilot does not choose a density for a frozen second moment; pass density=... to choose one)\n")
+    tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01), momentum_correction=True, density=0.01, min_size=100).build(
+        [keras.Variable(np.ones(500, np.float32))])
+    assert capsys.readouterr().err == ""

@@ -403,13 +403,18 @@ class TopKWrapper:
         exchange = self._exchange_object
         return frozenset(exchange.sparse_positions) if exchange.memory.applies_update else frozenset()
 
+    def _learning_rate_now(self):
+        """The inner optimizer's learning rate for this step (before its own
+        apply, which is what advances a schedule in some Kerases)."""
+        return self.inner_optimizer.learning_rate
+
     def _apply_directions(self, pairs):
         """`variable -= lr * (direction + weight_decay * variable)` for each
         (direction, variable) pair: the inner optimizer's learning rate and
         decoupled weight decay (where it decays that variable), through the
         strategy's variable update as the Keras optimizers apply theirs."""
         inner = self.inner_optimizer
-        learning_rate = tf.convert_to_tensor(inner.learning_rate)
+        learning_rate = tf.convert_to_tensor(self._learning_rate_now())
         decays = [float(inner.weight_decay) if inner.weight_decay and inner._use_weight_decay(variable) else 0.0
                   for _, variable in pairs]
 

@@ -41,6 +41,7 @@ Example (custom training loop; examples/custom_loop.py is the complete version):
 
 import collections
 import math
+import sys
 
 import tensorflow as tf
 
@@ -158,6 +159,10 @@ class SparseExchange(tf.Module):
             router = router or self.autopilot_plan.router()
         self.selector = _part(selector, Selector, "selector") or TopKSelector(self.config.method)
         self.memory = _part(memory, Memory, "memory") or memory_for(self.config, residuals)
+        if self.config.density is None and self.config.beta_2 is not None:  # say what runs, as the autopilot does
+            print(f"tf_topk: Adam's momentum correction: every entry for the first {self.config.variance_warmup_steps} "
+                  f"steps, then density {FIXED_DEFAULT_DENSITY:g} (fixed: the autopilot does not choose a density for "
+                  "a frozen second moment; pass density=... to choose one)", file=sys.stderr, flush=True)
         # Where the autopilot sends every entry in float32 with plain error feedback, one all-reduce of the
         # gradients (the residuals flushed into it) does what the dense route would, without its selection.
         self._every_entry_as_dense = bool(

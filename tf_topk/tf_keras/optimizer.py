@@ -208,6 +208,15 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
         self._apply_or_skip(all_finite, lambda grads: self._apply_update(grads, variables), summed)
         return self.iterations
 
+    def _learning_rate_now(self):
+        """tf_keras refreshes a schedule's learning rate inside apply_gradients:
+        read before it, `learning_rate` is the previous step's, so the schedule
+        is read here at this step's iterations."""
+        schedule = getattr(self.inner_optimizer, "_learning_rate", None)
+        if isinstance(schedule, tf_keras.optimizers.schedules.LearningRateSchedule):
+            return schedule(self.inner_optimizer.iterations)
+        return self.inner_optimizer.learning_rate
+
     def _apply_update(self, grads, variables):
         directed = self._direction_positions()
         is_direction = [self._index_dict[self._var_key(v)] in directed for v in variables]
