@@ -117,7 +117,7 @@ def test_one_replica_plans_every_entry_dense_without_measuring(capsys):
 def test_any_model_size_trains_with_the_default_under_two_replicas(tmp_path):
     """No sparsifiable variable (a 161-parameter model): the dense plan, nothing measured, one line
     saying so (it was "fitting a link needs at least two different sizes"); one variable of exactly
-    min_size; a 4M-entry model; a plan for a single entry measures."""
+    min_size; a 4M-entry model; a plan for a single entry measures; the same model again reuses."""
     proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_sizes.py"), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(tmp_path / "sizes.json") as f:
@@ -131,6 +131,12 @@ def test_any_model_size_trains_with_the_default_under_two_replicas(tmp_path):
     assert sizes["one variable"]["entries"] == 4096 and sizes["one variable"]["measured"]
     assert sizes["4M entries"]["entries"] == 4_000_000 and sizes["4M entries"]["measured"]
     assert sizes["plan of one entry"]["measured"] and sizes["plan of one entry"]["entries"] == 1
+    # A second optimizer for the same model on the same cluster (a notebook re-running fit) reuses the
+    # measurement, and says so.
+    again = sizes["one variable, again"]
+    assert again["same calibration"] and again["measured"] and again["loss"][-1] < again["loss"][0]
+    assert again["lines"][0] == ("tf_topk autopilot: the same cluster and model sizes as an earlier plan in this "
+                                 "process: its measurement reused")
     advise = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "1", "--workers", "2", "--calibrate",
                    "--budget", "0.5"])
     assert advise.returncode == 0, advise.stderr[-3000:]

@@ -159,6 +159,24 @@ class Plan:
                 f"{self.model.describe()}{choice}")
 
 
+# Calibrations made in this process, by cluster and model sizes: a second optimizer for the same
+# model on the same cluster (a notebook re-running fit, a tutorial's next cell) reuses the
+# measurement instead of paying its seconds again. Every worker runs the same builds in the same
+# order, so every worker finds the same entries here and none calibrates alone.
+_MEASURED = {}
+
+
+def _cluster_key(strategy):
+    """What identifies a cluster for `_MEASURED`: the strategy's kind, its devices and TF_CONFIG's
+    cluster (a strategy made again for the same cluster is the same cluster)."""
+    import json
+    import os
+
+    cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster")
+    return (type(strategy).__name__, strategy.num_replicas_in_sync, tuple(strategy.extended.worker_devices),
+            json.dumps(cluster, sort_keys=True))
+
+
 def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     """The autopilot's Plan for an exchange of `entries` sparsifiable entries
     and `small_entries` dense-path ones under `strategy` (default: the
@@ -175,9 +193,16 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
     # One replica: nothing travels, so nothing to measure (the assumed link's plan is every entry, dense).
     if entries > 0 and strategy.num_replicas_in_sync > 1 and tf.executing_eagerly() and outside_replicas:
-        found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
-                          trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
-                          profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)
+        key = (_cluster_key(strategy), entries, small_entries)
+        found = _MEASURED.get(key)
+        if found is None:
+            found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
+                              trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
+                              profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)
+            _MEASURED[key] = found
+        elif log:
+            print("tf_topk autopilot: the same cluster and model sizes as an earlier plan in this process: its "
+                  "measurement reused", file=sys.stderr, flush=True)
         model = dataclasses.replace(found.model, agreed_slots=AUTO_AGREED_SLOTS)
         result = Plan(model, found, entries, small_entries)
     else:

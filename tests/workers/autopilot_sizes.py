@@ -1,6 +1,7 @@
 """TopKOptimizer's default (the autopilot) on models of every size, 2 logical CPUs:
 `autopilot_sizes.py OUT_DIR`. Writes OUT_DIR/sizes.json: per model, the sparsifiable entries the
-plan saw, whether it measured, its router, its line and the training losses."""
+plan saw, whether it measured, its router, its lines and the training losses; a second optimizer for
+the same model sizes on the same strategy ("one variable, again") reuses the first one's measurement."""
 
 import contextlib
 import io
@@ -31,8 +32,8 @@ def plan_facts(plan, line):
     return {"entries": plan.entries, "measured": plan.calibration is not None, "line": line.strip()}
 
 
-found = {}
-for name, (inputs, hidden) in MODELS.items():
+found, plans = {}, {}
+for name, (inputs, hidden) in [*MODELS.items(), ("one variable, again", MODELS["one variable"])]:
     x = (rng.standard_normal((64, inputs)) / np.sqrt(inputs)).astype("float32")
     y = rng.standard_normal((64, 1)).astype("float32")
     with strategy.scope():
@@ -43,14 +44,16 @@ for name, (inputs, hidden) in MODELS.items():
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         history = model.fit(x, y, batch_size=16, epochs=3, verbose=0)
-    plan = optimizer.exchange.autopilot_plan
+    plan = plans[name] = optimizer.exchange.autopilot_plan
     lines = [line for line in err.getvalue().splitlines() if line.startswith("tf_topk autopilot:")]
-    found[name] = dict(plan_facts(plan, lines[0]), router=type(optimizer.exchange.router).__name__,
-                       loss=history.history["loss"])
+    found[name] = dict(plan_facts(plan, lines[-1]), router=type(optimizer.exchange.router).__name__,
+                       loss=history.history["loss"], lines=lines)
     print(lines[0], file=sys.stderr)
 err = io.StringIO()
 with contextlib.redirect_stderr(err):
     one = tf_topk.autopilot.plan(1, strategy=strategy, budget_s=0.5)
 found["plan of one entry"] = plan_facts(one, err.getvalue())
+found["one variable, again"]["same calibration"] = \
+    plans["one variable, again"].calibration is plans["one variable"].calibration
 with open(os.path.join(out, "sizes.json"), "w") as f:
     json.dump(found, f)
