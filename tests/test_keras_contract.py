@@ -6,6 +6,7 @@ with each inner option turned on. The model has a kernel above min_size (the top
 variables below it (the dense path).
 """
 
+import json
 import subprocess
 import sys
 import warnings
@@ -166,3 +167,40 @@ def test_a_mixed_precision_fit_takes_keras_steps():
         np.testing.assert_allclose(moves[1], moves[0], rtol=1e-2)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+INNER_OPTIMIZERS = {
+    "SGD": lambda: keras.optimizers.SGD(0.05),
+    "SGD momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+    "SGD Nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
+    "Adam": lambda: keras.optimizers.Adam(0.003),
+    "AdamW": lambda: keras.optimizers.AdamW(0.003, weight_decay=0.01),
+    "RMSprop": lambda: keras.optimizers.RMSprop(0.001),
+    "Adagrad": lambda: keras.optimizers.Adagrad(0.05),
+    "Adamax": lambda: keras.optimizers.Adamax(0.003),
+    "Nadam": lambda: keras.optimizers.Nadam(0.003),
+    "Lion": lambda: keras.optimizers.Lion(0.0003),
+    "Adafactor": lambda: keras.optimizers.Adafactor(0.01),
+    "Ftrl": lambda: keras.optimizers.Ftrl(0.05),
+}
+
+
+@pytest.mark.parametrize("name", INNER_OPTIMIZERS)
+def test_density_one_is_the_inner_optimizer(name):
+    """160 steps of the digits MLP (its 64x128 kernel on the top-k path, the rest below min_size):
+    the wrapper at density 1.0, with its defaults otherwise, trains as the inner optimizer alone."""
+    make = INNER_OPTIMIZERS[name]
+    alone = train(make(), epochs=10, n=512)
+    wrapped = train(tf_topk.TopKOptimizer(make(), density=1.0), epochs=10, n=512)
+    for a, b in zip(alone.get_weights(), wrapped.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_density_one_is_the_inner_optimizer_with_two_replicas():
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "inner_optimizers_replicas.py"), *INNER_OPTIMIZERS],
+                          cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    differences = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(differences) == set(INNER_OPTIMIZERS)
+    assert all(difference <= 1e-6 for difference in differences.values()), differences

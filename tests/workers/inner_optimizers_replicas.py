@@ -1,0 +1,41 @@
+"""Density 1.0 is the inner optimizer with two replicas: `inner_optimizers_replicas.py NAME...`
+(names of tests/test_keras_contract.py's INNER_OPTIMIZERS). For each, the digits MLP is trained 160
+steps with model.fit under MirroredStrategy over 2 logical CPUs, by the optimizer alone and wrapped
+in TopKOptimizer(density=1.0). Prints one JSON line: name -> the largest weight difference (a NaN in
+both counts as equal: Keras's own Adafactor ends in NaN here under MirroredStrategy)."""
+
+import json
+import sys
+from pathlib import Path
+
+import tensorflow as tf
+
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 2)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import tf_topk  # noqa: E402
+from digits_models import digits, mlp  # noqa: E402
+from test_keras_contract import INNER_OPTIMIZERS  # noqa: E402
+
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+x, y = digits(512)
+differences = {}
+for name in sys.argv[1:]:
+    weights = []
+    for wrap in (False, True):
+        with strategy.scope():
+            model = mlp()
+            inner = INNER_OPTIMIZERS[name]()
+            model.compile(optimizer=tf_topk.TopKOptimizer(inner, density=1.0) if wrap else inner,
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+        model.fit(x, y, batch_size=32, epochs=10, verbose=0, shuffle=False)
+        weights.append(model.get_weights())
+    # The largest difference, where a NaN in both counts as equal (Keras's own Adafactor ends in NaN under
+    # MirroredStrategy here, wrapped or not); a NaN in one only is infinitely different.
+    differences[name] = max(float(np.max(np.where(np.isnan(a) & np.isnan(b), 0.0, np.abs(a - b)), initial=0.0))
+                            if not (np.isnan(a) ^ np.isnan(b)).any() else float("inf")
+                            for a, b in zip(*weights))
+print(json.dumps(differences))
