@@ -307,6 +307,11 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
     def scale_loss(self, loss):
         return self.inner_optimizer.scale_loss(loss)
 
+    def update_step(self, gradient, variable, learning_rate):
+        """The inner optimizer's update rule for one variable, as Keras's
+        optimizers expose it (no exchange: that is per step, in `apply`)."""
+        return self.inner_optimizer.update_step(gradient, variable, learning_rate)
+
     def _clip_gradients(self, grads):
         """The inner optimizer's clipping (the wrapper's is the inner one's)."""
         return self.inner_optimizer._clip_gradients(grads)

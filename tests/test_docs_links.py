@@ -1,0 +1,47 @@
+"""Every relative link in the README, the guide (docs/) and the other Markdown files resolves: the file
+exists, and a #fragment names a heading of that file (as GitHub writes a heading's anchor)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "examples" / "README.md",
+         REPO_ROOT / "bazel" / "README.md", REPO_ROOT / "benchmarks" / "RESULTS.md"]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def outside_code(text):
+    """`text` without its fenced code blocks and inline code spans."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def anchors(page):
+    """The anchors GitHub gives the headings of `page`: lowercase, punctuation but - and _ dropped,
+    spaces as hyphens."""
+    titles = re.findall(r"^#+ (.*)$", re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-") for title in titles}
+
+
+def test_the_guide_has_its_pages_and_the_readme_stays_short():
+    assert {p.name for p in (REPO_ROOT / "docs").glob("*.md")} >= {
+        "keras.md", "density.md", "custom_loops.md", "multi_worker.md", "selection_op.md", "exchange.md",
+        "building.md"}
+    assert len((REPO_ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in LINK.findall(outside_code(page.read_text())):
+        if re.match(r"^[a-z]+:", target):
+            continue  # http(s), mailto: not checked here
+        path, _, fragment = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"{target}: no {resolved}")
+        elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
+            broken.append(f"{target}: no heading #{fragment} in {resolved.relative_to(REPO_ROOT)}")
+    assert not broken, broken
