@@ -8,7 +8,8 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "examples" / "README.md",
-         REPO_ROOT / "bazel" / "README.md", REPO_ROOT / "benchmarks" / "RESULTS.md"]
+         REPO_ROOT / "bazel" / "README.md", REPO_ROOT / "benchmarks" / "RESULTS.md",
+         *sorted((REPO_ROOT / "benchmarks" / "history").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 

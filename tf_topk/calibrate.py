@@ -305,8 +305,8 @@ def median_difference(function, baseline, repeats):
     called right after it: a small difference of two larger times, which
     the difference of their separate medians buries in load (on 4 busy
     workers a densifying cost read 53,800-311,259 us per M pairs that way,
-    27,647-34,397 paired in 9 of 12 calibrations: benchmarks/RESULTS.md,
-    remedy 8)."""
+    27,647-34,397 paired in 9 of 12 calibrations:
+    benchmarks/history/2026-11-25-autopilot-remedies.md, remedy 8)."""
     first, second = _interleaved_times([function, baseline], repeats)
     return statistics.median(a - b for a, b in zip(first, second))
 

@@ -21,8 +21,8 @@ import re
 
 # Where "auto" takes agreed indices it agrees on twice k indices per variable:
 # at 8 replicas and density 0.01 agreed indices on k lost 1.8 points against
-# all_gather on the synthetic task, on 2k they gained 1.2 (benchmarks/RESULTS.md,
-# "Remedy 3"), for 32k(P-1)/P bytes per worker, still flat in P, and fewer than
+# all_gather on the synthetic task, on 2k they gained 1.2 (benchmarks/history/
+# 2026-11-24-agreed-index-remedies.md, "Remedy 3"), for 32k(P-1)/P bytes per worker, still flat in P, and fewer than
 # all_gather's (P-1) * 8k from 5 replicas on (the same at 4: all_gather keeps the tie).
 AUTO_AGREED_SLOTS = 2
 

@@ -41,7 +41,7 @@ class AgreedIndexRoute(Route):
       Agreed indices update at most `slots` * k distinct entries a step where
       all_gather updates up to P * k; more slots send more of each replica's
       accumulated energy for 16 * slots * k * (P-1)/P bytes per worker, still
-      flat in P (benchmarks/RESULTS.md, "Remedy 3").
+      flat in P (benchmarks/history/2026-11-24-agreed-index-remedies.md, "Remedy 3").
     """
 
     name, code = "allreduce", 2.0
