@@ -116,6 +116,8 @@ def _delegated_to_inner(name):
 
 
 _DELEGATED_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
+# What a Keras optimizer holds before `build`: iterations and the learning rate.
+_UNBUILT_VARIABLES = 2
 
 
 @keras.saving.register_keras_serializable(package="tf_topk")
@@ -277,7 +279,15 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
 
     def load_own_variables(self, store):
         """As Keras, except that each replica gets its own per-replica state
-        back when the number of replicas is unchanged, else sum / replicas."""
+        back when the number of replicas is unchanged, else sum / replicas.
+        A file saved before the first step holds what an unbuilt wrapper has
+        (its iterations and learning rate, then the inner optimizer's): there
+        is nothing of its own to restore, and Keras loads the inner optimizer
+        from its own entry of the file as it loads it alone (silent for an
+        optimizer without slots, Keras's warning otherwise)."""
+        if self.built and len(store.keys()) == 2 * _UNBUILT_VARIABLES:
+            self._variables[0].assign(store["0"])  # iterations; the learning rate is the inner one's
+            return None
         if len(store.keys()) != len(self.variables):
             return super().load_own_variables(store)  # Keras's warning
         for i, variable in enumerate(self.variables):
