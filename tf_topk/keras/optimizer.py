@@ -20,8 +20,6 @@ routes and an adaptive density (`tf_topk.autopilot`). `density=0.001` keeps
 a fixed one.
 
 Differences from the inner optimizer alone:
-- gradient clipping and weight decay of the inner optimizer act on the summed
-  (exchanged) gradient, not on each replica's local gradient;
 - a step where any replica has a non-finite gradient is skipped on every
   replica: no update, iterations not advanced, residuals unchanged (counted in
   `skipped_steps`);
@@ -239,7 +237,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         # The exchange replaces the inner optimizer's dense all-reduce, which is
         # switched off only while this optimizer applies an update through it.
         _check_all_reduce_hook(self.inner_optimizer)
-        self._set_exchange_config(exchange_config, parts, {"_all_reduce_sum_gradients": _no_all_reduce})
+        self._set_exchange_config(exchange_config, parts, {"_all_reduce_sum_gradients": _no_all_reduce,
+                                                           **{name: None for name in _DELEGATED_CLIPPING}})
 
     clipnorm, clipvalue, global_clipnorm = (_delegated_to_inner(name) for name in _DELEGATED_CLIPPING)
 
@@ -365,10 +364,32 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
                 self.build(trainable_variables)
             self.built = True
         self._check_replica_context("apply")
+        self._check_conditional_inner_options()
+        # Keras clips each replica's own gradients, then sums them: so here, before the exchange (the
+        # inner optimizer then applies the sum without clipping again).
+        grads = self.inner_optimizer._clip_gradients(grads)
         result = self._exchange_step(grads)
         self._apply_or_skip(result.all_finite, lambda grads: self._apply_update(grads, trainable_variables),
                             result.grads)
         return self.iterations
+
+    def _check_conditional_inner_options(self):
+        """EMA and gradient accumulation put a synchronisation point (a
+        merge_call) inside a cond in the inner optimizer's apply; with several
+        replicas, the wrapper's branch that skips non-finite steps around that
+        apply makes TensorFlow refuse it ("merge_call called while defining a
+        new graph"), so they are refused here, by name, before any step."""
+        strategy = tf.distribute.get_strategy()
+        if strategy.num_replicas_in_sync < 2:
+            return
+        inner = self.inner_optimizer
+        for name, unused in (("use_ema", False), ("gradient_accumulation_steps", None)):
+            if getattr(inner, name, unused) not in (unused, 0, 1) or (name == "use_ema" and inner.use_ema):
+                raise ValueError(
+                    f"TopKOptimizer with an inner {name}={getattr(inner, name)!r} under {type(strategy).__name__} "
+                    f"with {strategy.num_replicas_in_sync} replicas is not supported yet (the inner optimizer's "
+                    f"{name} would run a merge_call inside the wrapper's branch that skips non-finite steps; "
+                    "Keras's own optimizers fail with it under MirroredStrategy's fit too); it works with one replica")
 
     def _apply_update(self, grads, trainable_variables):
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if isinstance(g, SparseGradient)]
