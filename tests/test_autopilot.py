@@ -203,7 +203,7 @@ def test_two_timed_sparse_steps_cap_the_range_where_a_step_would_reach_dense_or_
     assert density.max_density == pytest.approx(833 / n) and density.min_density == MIN_DENSITY
     # Each pair's compute: the measured 1 us less its 24 bytes at 1 Gbit/s.
     assert density.pair_compute_s == pytest.approx(1e-6 - 24 / 1.25e8)
-    assert "adaptive density up to 0.00416" in plan.describe()  # 833 / 200,000 to 3 digits
+    assert "adaptive density 0.0001 to 0.00416" in plan.describe()  # 833 / 200,000 to 3 digits
     # Dense at 9 ms leaves 2 ms, but a step may grow by 5% of the timed 7 ms only: 350 more pairs.
     assert CLOSE_CALL_SLACK == 0.05
     roomy = Calibration(model, {}, n, 9e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 633, 26.367e-3, 20_000)

@@ -327,8 +327,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
 
     def get_config(self):
         config = super().get_config()
-        for name in _DELEGATED_CLIPPING:  # the inner optimizer's, in its own config
-            config.pop(name, None)
+        for name in _DELEGATED_CLIPPING:  # the inner optimizer's, in its own config; as earlier versions wrote them
+            config[name] = None
         return config
 
     @property
