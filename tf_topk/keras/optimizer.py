@@ -377,10 +377,12 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         """EMA and gradient accumulation put a synchronisation point (a
         merge_call) inside a cond in the inner optimizer's apply; with several
         replicas, the wrapper's branch that skips non-finite steps around that
-        apply makes TensorFlow refuse it ("merge_call called while defining a
-        new graph"), so they are refused here, by name, before any step."""
+        apply makes TensorFlow refuse it in a traced step ("merge_call called
+        while defining a new graph"), so they are refused there, by name,
+        before any step (run eagerly, as Keras's own distribute tests do, they
+        work)."""
         strategy = tf.distribute.get_strategy()
-        if strategy.num_replicas_in_sync < 2:
+        if strategy.num_replicas_in_sync < 2 or tf.executing_eagerly():
             return
         inner = self.inner_optimizer
         for name, unused in (("use_ema", False), ("gradient_accumulation_steps", None)):
