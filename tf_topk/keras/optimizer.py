@@ -331,19 +331,10 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             config[name] = None
         return config
 
-    @property
-    def loss_scale_factor(self):
-        """The inner optimizer's: it scales the loss and unscales the gradients.
-        A LossScaleOptimizer around this one sets it to None, as it does for the
-        optimizer it wraps, so that gradients are not unscaled twice."""
-        inner = self.__dict__.get("inner_optimizer")
-        return None if inner is None else inner.loss_scale_factor
-
-    @loss_scale_factor.setter
-    def loss_scale_factor(self, value):
-        inner = self.__dict__.get("inner_optimizer")
-        if inner is not None:  # Keras's constructor sets None before the inner optimizer is here
-            inner.loss_scale_factor = value
+    # The inner optimizer's: it scales the loss and unscales the gradients. A LossScaleOptimizer
+    # around this one sets it to None, as it does for the optimizer it wraps, so that gradients are
+    # not unscaled twice.
+    loss_scale_factor = _delegated_to_inner("loss_scale_factor")
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """The inner optimizer's: it is the one that decays (before `build`)."""
@@ -367,7 +358,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         self._check_conditional_inner_options()
         # Keras clips each replica's own gradients, then sums them: so here, before the exchange (the
         # inner optimizer then applies the sum without clipping again).
-        grads = self.inner_optimizer._clip_gradients(grads)
+        grads = self._clip_gradients(grads)
         result = self._exchange_step(grads)
         self._apply_or_skip(result.all_finite, lambda grads: self._apply_update(grads, trainable_variables),
                             result.grads)
@@ -385,13 +376,14 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         if strategy.num_replicas_in_sync < 2 or tf.executing_eagerly():
             return
         inner = self.inner_optimizer
-        for name, unused in (("use_ema", False), ("gradient_accumulation_steps", None)):
-            if getattr(inner, name, unused) not in (unused, 0, 1) or (name == "use_ema" and inner.use_ema):
-                raise ValueError(
-                    f"TopKOptimizer with an inner {name}={getattr(inner, name)!r} under {type(strategy).__name__} "
-                    f"with {strategy.num_replicas_in_sync} replicas is not supported yet (the inner optimizer's "
-                    f"{name} would run a merge_call inside the wrapper's branch that skips non-finite steps; "
-                    "Keras's own optimizers fail with it under MirroredStrategy's fit too); it works with one replica")
+        in_use = {"use_ema": bool(inner.use_ema),
+                  "gradient_accumulation_steps": (inner.gradient_accumulation_steps or 1) > 1}
+        for name in (name for name, used in in_use.items() if used):
+            raise ValueError(
+                f"TopKOptimizer with an inner {name}={getattr(inner, name)!r} under {type(strategy).__name__} "
+                f"with {strategy.num_replicas_in_sync} replicas is not supported yet (the inner optimizer's "
+                f"{name} would run a merge_call inside the wrapper's branch that skips non-finite steps; "
+                "Keras's own optimizers fail with it under MirroredStrategy's fit too); it works with one replica")
 
     def _apply_update(self, grads, trainable_variables):
         pairs = [(g, v) for g, v in zip(grads, trainable_variables) if isinstance(g, SparseGradient)]
