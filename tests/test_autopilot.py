@@ -126,8 +126,12 @@ def test_any_model_size_trains_with_the_default_under_two_replicas(tmp_path):
     assert tiny["entries"] == 0 and not tiny["measured"] and tiny["router"] == "FixedRouter"
     assert tiny["line"] == ("tf_topk autopilot: no variable of min_size entries or more, nothing to sparsify: "
                             "every entry, dense (nothing measured)")
-    for name in ("tiny", "one variable", "4M entries"):
+    for name in ("tiny", "one variable", "4M entries", "tiny, Adam", "one variable, AdamW"):
         assert sizes[name]["loss"][-1] < sizes[name]["loss"][0], (name, sizes[name])
+    # Adam and AdamW take the same default: the tiny model plans dense without measuring; the other one
+    # reuses the SGD model's measurement (same sizes, same cluster).
+    assert sizes["tiny, Adam"]["line"] == tiny["line"] and not sizes["tiny, Adam"]["measured"]
+    assert sizes["one variable, AdamW"]["measured"] and sizes["one variable, AdamW"]["entries"] == 4096
     assert sizes["one variable"]["entries"] == 4096 and sizes["one variable"]["measured"]
     assert sizes["4M entries"]["entries"] == 4_000_000 and sizes["4M entries"]["measured"]
     assert sizes["plan of one entry"]["measured"] and sizes["plan of one entry"]["entries"] == 1

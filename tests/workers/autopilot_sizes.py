@@ -25,6 +25,8 @@ MODELS = {  # (inputs, hidden units): the sparsifiable entries are the kernels o
     "tiny": (8, 16),            # 161 parameters, nothing to sparsify
     "one variable": (64, 64),   # one kernel of exactly min_size (4096)
     "4M entries": (2000, 2000),  # one kernel of 4,000,000
+    "tiny, Adam": (8, 16),      # the same 161 parameters with Adam, the other optimizer most users bring
+    "one variable, AdamW": (64, 64),
 }
 
 
@@ -39,7 +41,9 @@ for name, (inputs, hidden) in [*MODELS.items(), ("one variable, again", MODELS["
     with strategy.scope():
         model = keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(hidden, activation="relu"),
                                   keras.layers.Dense(1)])
-        optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.01))
+        inner = keras.optimizers.AdamW(0.01) if "AdamW" in name else \
+            keras.optimizers.Adam(0.01) if "Adam" in name else keras.optimizers.SGD(0.01)
+        optimizer = tf_topk.TopKOptimizer(inner)
         model.compile(optimizer, "mse", jit_compile=False)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
