@@ -265,3 +265,12 @@ def test_a_model_saved_before_training_loads_as_keras_loads_it(make_inner, tmp_p
         skipped.append(sum("Skipping variable loading" in str(w.message) for w in caught))
         assert loaded.optimizer.built
     assert skipped[1] == skipped[0], skipped
+
+
+def test_built_with_no_variables_it_says_so_when_applied():
+    """Keras allows build([]) (its Nadam test does it); applying such an optimizer is a clear error."""
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=1.0)
+    optimizer.build([])
+    assert optimizer.built and optimizer.exchange is None
+    with pytest.raises(ValueError, match=r"was built with no variables \(build\(\[\]\)\)"):
+        optimizer.apply([tf.ones(3)], [keras.Variable(np.ones(3, np.float32))])
