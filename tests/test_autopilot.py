@@ -256,9 +256,9 @@ def test_no_density_given_is_the_autopilot_where_it_can_choose_route_and_density
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_where_every_entry_goes_dense_momentum_correction_is_momentum_sgd(nesterov):
-    """One replica, the default density: every entry is sent, so the velocities are kept whole (momentum
-    factor masking would clear them every step and leave plain SGD): the same weights as the inner SGD
-    with its own momentum."""
+    """One replica, the default density: every entry is sent, so the velocities are kept whole, even
+    where momentum factor masking was asked for (it would clear them every step and leave plain SGD):
+    the same weights as the inner SGD with its own momentum."""
     import keras
     import numpy as np
 
@@ -275,7 +275,7 @@ def test_where_every_entry_goes_dense_momentum_correction_is_momentum_sgd(nester
 
     plain = fit(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=nesterov))
     optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9, nesterov=nesterov),
-                                      momentum_correction=True)
+                                      momentum_correction=True, config=tf_topk.ExchangeConfig(momentum_masking=True))
     wrapped = fit(optimizer)
     assert optimizer.exchange.autopilot_plan.dense_route() == "dense"
     assert not optimizer.exchange.config.momentum_masking and optimizer.exchange_config.momentum_masking

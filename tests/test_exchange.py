@@ -26,8 +26,9 @@ MOMENTUM = 0.9
 # clipped to 60 / sqrt(2) they are clipped at every step.
 LOCAL_CLIPNORM = 60.0
 PLAIN_RUNS = ("one_bucket", "per_variable")
-DGC_RUNS = {"dgc": dict(nesterov=False, clipnorm=None),
-            "dgc_nesterov_clip": dict(nesterov=True, clipnorm=LOCAL_CLIPNORM)}
+DGC_RUNS = {"dgc": dict(nesterov=False, clipnorm=None, masking=True),
+            "dgc_nesterov_clip": dict(nesterov=True, clipnorm=LOCAL_CLIPNORM, masking=True),
+            "momentum_unmasked": dict(nesterov=False, clipnorm=None, masking=False)}
 SPARSE = [v for v, shape in enumerate(SHAPES) if math.prod(shape) >= MIN_SIZE]
 
 
@@ -60,8 +61,8 @@ def reference(data):
     return steps
 
 
-def dgc_reference(data, nesterov, clipnorm):
-    """Momentum correction with masking, as Lin et al. (DGC) define it.
+def dgc_reference(data, nesterov, clipnorm, masking):
+    """Momentum correction, with masking as Lin et al. (DGC) define it or without.
 
     Per step: the summed gradients, and each replica's residuals, velocities
     and dense-path velocities after it.
@@ -94,7 +95,7 @@ def dgc_reference(data, nesterov, clipnorm):
                     accumulated = residuals[r][slot] + u
                 sent = top_k_magnitude(accumulated, math.ceil(DENSITY * accumulated.size))
                 residuals[r][slot] = accumulated - sent
-                velocities[r][slot] = np.where(sent != 0, 0.0, u).astype(np.float32)  # masking
+                velocities[r][slot] = np.where(sent != 0, 0.0, u).astype(np.float32) if masking else u
                 summed[v] += sent
         for slot, v in enumerate(dense):
             if nesterov:
@@ -157,10 +158,15 @@ def test_momentum_correction_matches_numpy_over_several_steps(data, label):
                 np.testing.assert_allclose(data[f"{prefix}/velocity{slot}"].reshape(-1), velocities[r][slot], **close)
             for slot, velocity in enumerate(dense_velocities):
                 np.testing.assert_allclose(data[f"{prefix}/dense_velocity{slot}"].reshape(-1), velocity, **close)
-    # Masking is visible: sent entries have no velocity left, the others keep it.
+    # Masking is visible: with it sent entries have no velocity left, the others keep it; without it
+    # sent entries keep theirs.
     sent = data[f"{label}/step{STEPS - 1}/replica0/residual0"] == 0
     velocity = data[f"{label}/step{STEPS - 1}/replica0/velocity0"]
-    assert np.all(velocity[sent] == 0) and np.count_nonzero(velocity[~sent]) > 0.9 * np.count_nonzero(~sent)
+    assert np.count_nonzero(velocity[~sent]) > 0.9 * np.count_nonzero(~sent)
+    if DGC_RUNS[label]["masking"]:
+        assert np.all(velocity[sent] == 0)
+    else:
+        assert np.count_nonzero(velocity[sent]) > 0.9 * np.count_nonzero(sent)
 
 
 def test_momentum_correction_differs_from_plain_error_feedback(data):

@@ -50,8 +50,8 @@ NONE = [v for v in range(len(VARIABLES)) if v not in PRESENT]
 
 MEMORIES = {
     "ef": dict(),
-    "momentum": dict(momentum=MOMENTUM, momentum_masking=True),
-    "nesterov": dict(momentum=MOMENTUM, nesterov=True, momentum_masking=True),
+    "momentum": dict(momentum=MOMENTUM),  # the default: no momentum factor masking
+    "nesterov": dict(momentum=MOMENTUM, nesterov=True, momentum_masking=True),  # DGC's masking
 }
 LAYOUTS = {"one_bucket": None, "per_variable": 8}  # bucket_bytes
 CLOSE = dict(rtol=1e-6, atol=1e-6)
@@ -134,7 +134,8 @@ class Reference:
         the rounded contributions' magnitudes, which bounds that sum's error).
     Zero entries send nothing. The result is the sum over replicas of what
     they sent; r's residual is acc with its sent entries zeroed; with
-    masking, u is zeroed where r sent a non-zero value. One replica always
+    masking (where the memory asks for it), u is zeroed where r sent a
+    non-zero value. One replica always
     takes the allgather path; "auto" takes per bucket the mode
     `choose_mode` picks for the bucket's pairs and entries.
     Dense-path variables: G = sum over replicas; with momentum the returned
@@ -146,6 +147,7 @@ class Reference:
         self.replicas, self.mode, self.density = replicas, mode, density
         self.momentum = MEMORIES[memory].get("momentum")
         self.nesterov = MEMORIES[memory].get("nesterov", False)
+        self.masking = MEMORIES[memory].get("momentum_masking", False)
         present = [v for v in SPARSE if v in PRESENT]
         self.buckets = [present] if LAYOUTS[layout] is None else [[v] for v in present]
         self.residuals = [{v: np.zeros(SIZES[v], np.float32) for v in SPARSE} for _ in range(replicas)]
@@ -200,7 +202,7 @@ class Reference:
                     magnitude += np.abs(sent)
                     self.residuals[r][v] = acc - sent
                     if self.momentum is not None:
-                        self.velocities[r][v] = np.where(sent != 0, np.float32(0), u)
+                        self.velocities[r][v] = np.where(sent != 0, np.float32(0), u) if self.masking else u
                 summed[v], self.magnitudes[v] = total, magnitude
         for v in DENSE:
             total = np.zeros(SIZES[v], np.float32)
@@ -414,8 +416,9 @@ def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, 
     density (on logical CPUs usually every entry, dense). "100mbit": the parts its plan makes for a
     typed-in 100 Mbit/s link (a TimedRouter and an adaptive density: sparse). Whatever was picked, each
     step hands every replica the same sum, and that sum is exactly what the replicas accumulated minus
-    what they kept: an entry is sent or kept whole (with momentum correction, its velocity cleared
-    where it was sent, or, where every entry is sent, kept whole: the momentum of the summed gradient)."""
+    what they kept: an entry is sent or kept whole (with momentum correction and masking, its velocity
+    cleared where it was sent, or, where every entry is sent, kept whole: the momentum of the summed
+    gradient; unmasked, kept whole)."""
     from tf_topk.autopilot import Plan
     from tf_topk.cost import CostModel
 
@@ -434,6 +437,7 @@ def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, 
     assert exchange.sparse_positions == SPARSE
     m = np.float32(MEMORIES[memory].get("momentum", 0.0))
     nesterov = MEMORIES[memory].get("nesterov", False)
+    masking = MEMORIES[memory].get("momentum_masking", False)
     velocities = exchange.memory.velocities if m else []
     step = make_step(strategy, exchange, [])
     local = strategy.experimental_local_results
@@ -466,8 +470,8 @@ def test_the_autopilot_keeps_every_entry_it_does_not_send(strategies, replicas, 
                 sent = accumulated - kept
                 if not bf16:  # sent or kept whole; bfloat16 keeps its rounding error
                     np.testing.assert_allclose(np.where(kept != 0, sent, 0), 0, atol=1e-6, err_msg=where)
-                if m:  # every entry sent (the plan went dense): kept whole, else masked where sent
-                    velocity = u if plan.dense_route() else np.where(sent != 0, 0, u)
+                if m:  # kept whole where every entry is sent (the plan went dense) or unmasked
+                    velocity = u if plan.dense_route() or not masking else np.where(sent != 0, 0, u)
                     np.testing.assert_allclose(velocities_after[slot][r], velocity, **CLOSE, err_msg=where)
                 expected += sent
                 magnitude += np.abs(sent)

@@ -24,9 +24,10 @@ def compile_fit(model, optimizer, x, y, epochs=2):
 
 # -- the memory -------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("masking", [False, True], ids=["unmasked", "masked"])
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_memory_follows_dgc_and_a_step_not_kept_changes_nothing(nesterov):
-    memory = MomentumCorrectionMemory(0.8, nesterov=nesterov)
+def test_memory_follows_dgc_and_a_step_not_kept_changes_nothing(nesterov, masking):
+    memory = MomentumCorrectionMemory(0.8, nesterov=nesterov, masking=masking)
     memory.build([tf.Variable(tf.zeros([200]))], make_state_variable)
     (residual,), (velocity,) = memory.residuals, memory.velocities
     rng = np.random.default_rng(3)
@@ -50,15 +51,16 @@ def test_memory_follows_dgc_and_a_step_not_kept_changes_nothing(nesterov):
         sent = np.zeros(200, bool)
         sent[np.argsort(-np.abs(acc), kind="stable")[:k]] = True
         v = np.where(sent, 0.0, acc).astype(np.float32)
-        u = np.where(sent, 0.0, u_new).astype(np.float32)
+        u = np.where(sent, 0.0, u_new).astype(np.float32) if masking else u_new
         np.testing.assert_allclose(residual.numpy(), v, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(velocity.numpy(), u, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_density_one_without_masking_is_keras_momentum_sgd(nesterov):
-    """Everything sent and no masking: momentum correction reduces to momentum SGD,
-    the exchange's velocity (gradient units) against Keras's (learning-rate units)."""
+def test_density_one_with_the_default_no_masking_is_keras_momentum_sgd(nesterov):
+    """Everything sent and no masking (the default): momentum correction reduces to
+    momentum SGD, the exchange's velocity (gradient units) against Keras's
+    (learning-rate units)."""
     shapes = [(64, 80), (10,)]  # one sparsified, one on the dense path
     rng = np.random.default_rng(0)
     grads = [[rng.standard_normal(s).astype(np.float32) for s in shapes] for _ in range(6)]
@@ -67,7 +69,8 @@ def test_density_one_without_masking_is_keras_momentum_sgd(nesterov):
     reference = keras.optimizers.SGD(0.05, momentum=0.9, nesterov=nesterov)
     ours_vars = [tf.Variable(w) for w in start]
     exchange = tf_topk.SparseExchange(ours_vars, density=1.0, method="exact", min_size=1000, momentum=0.9,
-                                      nesterov=nesterov, momentum_masking=False)
+                                      nesterov=nesterov)
+    assert exchange.config.momentum_masking is False
     plain = keras.optimizers.SGD(0.05)
     for step_grads in grads:
         reference.apply([tf.constant(g) for g in step_grads], keras_vars)
@@ -76,6 +79,27 @@ def test_density_one_without_masking_is_keras_momentum_sgd(nesterov):
     for a, b in zip(keras_vars, ours_vars):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
     assert exchange.sparse_positions == [0] and exchange.dense_positions == [1]
+
+
+def test_masking_leaves_an_entry_sent_every_step_no_momentum():
+    """Why masking is off by default: DGC's momentum factor masking zeroes the velocity
+    wherever an entry is sent, so an entry sent every step trains by plain SGD."""
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(2000).astype(np.float32) for _ in range(4)]
+    finals = {}
+    for masking in (False, True):
+        variable = tf.Variable(tf.zeros([2000]))
+        exchange = tf_topk.SparseExchange([variable], density=1.0, method="exact", min_size=1000, momentum=0.9,
+                                          momentum_masking=masking)
+        for grad in grads:
+            variable.assign_sub(0.1 * exchange([tf.constant(grad)]).grads[0])
+        finals[masking] = variable.numpy()
+    np.testing.assert_allclose(finals[True], -0.1 * sum(grads), rtol=1e-5, atol=1e-5)  # no momentum at all
+    velocity, with_momentum = np.zeros(2000, np.float32), np.zeros(2000, np.float32)
+    for grad in grads:
+        velocity = 0.9 * velocity + grad
+        with_momentum -= 0.1 * velocity
+    np.testing.assert_allclose(finals[False], with_momentum, rtol=1e-5, atol=1e-5)
 
 
 def test_local_clipping_scales_the_gradients_to_the_norm():

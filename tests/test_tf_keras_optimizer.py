@@ -146,7 +146,7 @@ def test_bad_arguments_are_named(make, message):
 
 
 def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
-    config = ExchangeConfig(density=[(0, 0.1), (4, 0.01)], method="exact", min_size=1000, momentum_masking=False,
+    config = ExchangeConfig(density=[(0, 0.1), (4, 0.01)], method="exact", min_size=1000, momentum_masking=True,
                             local_clipnorm=5.0, exchange_mode="auto", bucket_bytes=1 << 16)
     # Arguments given replace config's fields (method="gaussian" too, though the default); the rest is config's.
     optimizer = TopKOptimizer(tf_keras.optimizers.SGD(0.05, momentum=0.9), config=config, method="gaussian",
@@ -154,10 +154,10 @@ def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
     assert optimizer.exchange_config == config.replace(method="gaussian", momentum=0.9)
     assert (optimizer.method, optimizer.exchange_mode, optimizer.momentum_correction) == ("gaussian", "auto", True)
     written = optimizer.get_config()
-    assert written["momentum_masking"] is False and written["momentum_correction"] is True
+    assert written["momentum_masking"] is True and written["momentum_correction"] is True
     clone = TopKOptimizer.from_config(json.loads(json.dumps(written)))
     assert clone.exchange_config == optimizer.exchange_config and clone.get_config() == written
-    # An earlier version's config: flat keys, no momentum_masking.
+    # An earlier version's config: flat keys, no momentum_masking (it masked, and resumes masking).
     old = {"name": "TopKOptimizer", "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
            "clipvalue": None, "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
            "jit_compile": False, "is_legacy_optimizer": False,
@@ -167,7 +167,8 @@ def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
            "sparse_updates": False}
     loaded = TopKOptimizer.from_config(json.loads(json.dumps(old)))
     assert loaded.exchange_config == ExchangeConfig(density=[(0, 0.1), (4, 0.01)], method="exact", min_size=1000,
-                                                    momentum=0.9, local_clipnorm=5.0, exchange_mode="allreduce")
+                                                    momentum=0.9, local_clipnorm=5.0, exchange_mode="allreduce",
+                                                    momentum_masking=True)
     rewritten = loaded.get_config()
     assert {name: rewritten[name] for name in old} == old and rewritten["momentum_masking"] is True
 

@@ -183,7 +183,7 @@ def test_bad_arguments_raise_clear_errors(kwargs, message):
 
 def test_exchange_config_round_trips_through_get_config_json_and_from_config():
     config = ExchangeConfig(density=[(0, 0.1), (10, 0.01)], method="exact", min_size=500, bucket_bytes=4096,
-                            momentum_masking=False, local_clipnorm=5.0, exchange_mode="auto")
+                            momentum_masking=True, local_clipnorm=5.0, exchange_mode="auto")
     opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), config=config,
                                 momentum_correction=True)
     assert opt.exchange_config == config.replace(momentum=0.9, nesterov=True)
@@ -192,7 +192,7 @@ def test_exchange_config_round_trips_through_get_config_json_and_from_config():
     # momentum and nesterov are the inner SGD's, so only momentum_correction is written.
     assert written["density"] == [[0, 0.1], [10, 0.01]] and written["exchange_mode"] == "auto"
     assert written["momentum_correction"] is True and written["sparse_updates"] is False
-    assert written["momentum_masking"] is False
+    assert written["momentum_masking"] is True  # not the default: a loaded config keeps it
     assert not {"momentum", "nesterov", "sparse_output", "config"} & set(written)
     clone = tf_topk.TopKOptimizer.from_config(json.loads(json.dumps(written)))
     assert clone.exchange_config == opt.exchange_config
@@ -202,8 +202,9 @@ def test_exchange_config_round_trips_through_get_config_json_and_from_config():
 
 @pytest.mark.parametrize("new_keys", [True, False], ids=["flat_keys", "before_exchange_mode"])
 def test_config_written_by_an_earlier_version_still_loads(new_keys):
-    """Earlier versions wrote each option as a flat key (no momentum_masking), and
-    before that also without exchange_mode and sparse_updates."""
+    """Earlier versions wrote each option as a flat key (no momentum_masking: they
+    masked, and resume masking), and before that also without exchange_mode and
+    sparse_updates."""
     old = {"name": "topk_optimizer", "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
            "clipvalue": None, "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
            "loss_scale_factor": None, "gradient_accumulation_steps": None,
@@ -215,7 +216,8 @@ def test_config_written_by_an_earlier_version_still_loads(new_keys):
     opt = tf_topk.TopKOptimizer.from_config(json.loads(json.dumps(old)))
     assert opt.exchange_config == ExchangeConfig(
         density=[(0, 0.1), (10, 0.01)], method="exact", min_size=500, bucket_bytes=4096, momentum=0.9,
-        local_clipnorm=5.0, exchange_mode="auto" if new_keys else "allgather", sparse_output=new_keys)
+        local_clipnorm=5.0, exchange_mode="auto" if new_keys else "allgather", sparse_output=new_keys,
+        momentum_masking=True)
     assert opt.momentum_correction and opt.sparse_updates is new_keys and opt.density == [(0, 0.1), (10, 0.01)]
     written = opt.get_config()
     assert {name: written[name] for name in old} == old and written["momentum_masking"] is True

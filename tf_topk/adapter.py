@@ -486,7 +486,7 @@ class TopKWrapper:
     def from_config(cls, config, custom_objects=None):
         """Reads what get_config writes, and earlier versions' configs (the
         same flat keys, fewer of them; without exchange_mode: "allgather",
-        what they ran): ExchangeConfig's fields make one
+        without momentum_masking: True, what they ran): ExchangeConfig's fields make one
         ExchangeConfig, momentum_correction and sparse_updates apply to it."""
         config = dict(config)
         inner_optimizer = cls._deserialize_inner(config.pop("inner_optimizer"), custom_objects)
@@ -494,6 +494,8 @@ class TopKWrapper:
         # Written before exchange_mode existed, when every exchange was an
         # all_gather: resumes as it ran, not with today's default ("auto").
         fields.setdefault("exchange_mode", "allgather")
+        # Written before momentum_masking was saved, when momentum correction always masked.
+        fields.setdefault("momentum_masking", True)
         return cls(inner_optimizer, config=ExchangeConfig.from_config(fields), **config)
 
 

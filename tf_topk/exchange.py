@@ -151,8 +151,9 @@ class SparseExchange(tf.Module):
                                                  sum(spec.size for spec in specs if not spec.sparse) + 1)
             self.config = self.config.replace(density=self.autopilot_plan.density())
             if self.autopilot_plan.dense_route() and self.config.momentum is not None:
-                # Every entry is sent: momentum factor masking would clear every velocity each step (plain
-                # SGD); unmasked, the replicas' velocities sum to the momentum of the summed gradient.
+                # Every entry is sent: momentum factor masking, if asked for, would clear every velocity
+                # each step (plain SGD); unmasked, the replicas' velocities sum to the momentum of the
+                # summed gradient.
                 self.config = self.config.replace(momentum_masking=False)
         given_router = router
         if self.autopilot_plan:

@@ -29,9 +29,13 @@ the exchanged sum is applied by plain SGD:
     v <- v + u                (Nesterov: v <- v + u + g)
     send top-k of v; v <- 0 and, with momentum factor masking, u <- 0 where sent.
 
-Masking stops a sent entry's stale velocity from pushing the same direction
-again. "Sent" is what this replica contributed: under the agreed-index
-exchange, its own non-zero values at the leader's indices. With density 1 and no masking this is exactly momentum SGD.
+Without masking (the default) every gradient reaches the weights with the
+whole weight momentum gives it, 1 / (1 - m), only later: with density 1 this
+is exactly momentum SGD. DGC's masking stops a sent entry's velocity from
+pushing the same direction again, and with it drops the rest of that
+momentum, so entries sent often train with little momentum. "Sent" is what
+this replica contributed: under the agreed-index exchange, its own non-zero
+values at the leader's indices.
 
 State changes only in `update`, which the exchange calls once every
 replica's step is known to be finite: a step where some replica had a
@@ -231,10 +235,10 @@ class MomentumCorrectionMemory(ErrorFeedbackMemory):
     Args:
       momentum: m in (0, 1), e.g. the inner SGD's 0.9.
       nesterov: DGC's Nesterov variant.
-      masking: momentum factor masking (zero `u` where sent; default True).
+      masking: momentum factor masking (zero `u` where sent; default False).
     """
 
-    def __init__(self, momentum, nesterov=False, masking=True):
+    def __init__(self, momentum, nesterov=False, masking=False):
         super().__init__()
         self.momentum = check_momentum(momentum)
         self.nesterov = bool(nesterov)

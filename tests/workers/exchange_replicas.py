@@ -4,8 +4,8 @@ Usage: exchange_replicas.py OUT.npz CONFIG_JSON, the configuration coming
 from tests/test_exchange.py: variable shapes, min_size, density, replicas,
 steps, and the momentum-correction settings. Each replica gets its own
 gradients. The same steps run with one bucket (bucket_bytes=None), with one
-bucket per sparsified variable, and with momentum correction (plain, and
-Nesterov with local clipping). Writes, per run and step, what each replica
+bucket per sparsified variable, and with momentum correction (DGC's, with
+masking, plain and Nesterov with local clipping; and the default, unmasked). Writes, per run and step, what each replica
 returned and each replica's residuals and velocities, plus the inputs; the
 test compares them with a numpy reference. Exits non-zero on any failure.
 """
@@ -39,8 +39,10 @@ MOMENTUM, CLIPNORM = config["momentum"], config["local_clipnorm"]
 RUNS = {
     "one_bucket": dict(bucket_bytes=None),
     "per_variable": dict(bucket_bytes=8 * 30),
-    "dgc": dict(momentum=MOMENTUM),
-    "dgc_nesterov_clip": dict(momentum=MOMENTUM, nesterov=True, local_clipnorm=CLIPNORM, bucket_bytes=8 * 30),
+    "dgc": dict(momentum=MOMENTUM, momentum_masking=True),
+    "dgc_nesterov_clip": dict(momentum=MOMENTUM, nesterov=True, local_clipnorm=CLIPNORM, bucket_bytes=8 * 30,
+                              momentum_masking=True),
+    "momentum_unmasked": dict(momentum=MOMENTUM),  # the default: no momentum factor masking
 }
 for label, options in RUNS.items():
     with strategy.scope():

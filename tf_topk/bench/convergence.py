@@ -2,14 +2,16 @@
 
 Does sparsification cost accuracy, and what do error feedback and momentum
 correction buy? On scikit-learn's digits (or `--dataset synthetic`, or
-`--dataset shapes`: generated images, with a small CNN), trains the same model
+`--dataset shapes`: generated images, with a small CNN; `--dataset signals`:
+generated 1-D waveforms, with a 1-D CNN), trains the same model
 with the same inner optimizer, budget (epochs) and seeds:
 
     dense       the inner optimizer alone
     topk_ef     tf_topk.TopKOptimizer(inner, density=d, momentum_correction=False)
                 (error-compensated top-k in front of the inner optimizer)
     topk_mc     tf_topk.TopKOptimizer(inner, density=d, momentum_correction=True)
-                (SGD with momentum: DGC's momentum correction and masking; Adam and
+                (SGD with momentum: DGC's momentum correction, without its momentum
+                factor masking unless --masking; Adam and
                 AdamW: Adam's, its second moment frozen after a dense warm-up over the
                 first 10% of the steps, `variance_warmup_steps`)
     topk_noef   tf_topk.TopKOptimizer(inner, density=d, error_feedback=False)
@@ -94,9 +96,16 @@ def random_k_optimizer(inner, **options):
 # -- data and model ---------------------------------------------------------------------------
 
 def make_model(keras, inputs, hidden, classes, kind="mlp"):
-    """An MLP with `hidden` widths, or the small CNN for square images (`kind="cnn"`)."""
+    """An MLP with `hidden` widths, the small CNN for square images (`kind="cnn"`), or the 1-D CNN
+    for sequences (`kind="cnn1d"`: conv 32-64-64, kernels of 5, then dense 256)."""
     layers = [keras.Input((inputs,))]
-    if kind == "cnn":
+    if kind == "cnn1d":
+        layers.append(keras.layers.Reshape((inputs, 1)))
+        for filters in (32, 64, 64):
+            layers += [keras.layers.Conv1D(filters, 5, activation="relu", padding="same"),
+                       keras.layers.MaxPooling1D()]
+        layers += [keras.layers.Flatten(), keras.layers.Dense(256, activation="relu")]
+    elif kind == "cnn":
         side = int(round(inputs ** 0.5))
         layers += [keras.layers.Reshape((side, side, 1)),
                    keras.layers.Conv2D(16, 3, activation="relu", padding="same"), keras.layers.MaxPooling2D(),
@@ -113,6 +122,8 @@ def model_name(args, inputs):
         return f"transformer {args.layers}x{args.width}, context {inputs}"
     if args.model == "cnn":
         return "CNN conv16-conv32-64-10"
+    if args.model == "cnn1d":
+        return "1-D CNN conv32-conv64-conv64-256-10"
     return f"MLP {inputs}-" + "-".join(map(str, args.hidden)) + "-10"
 
 
@@ -139,12 +150,15 @@ def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries
     inner = make_inner(keras, args)
     if method == "dense":
         return inner
-    common = dict(method=args.method, min_size=args.min_size, exchange_mode=args.exchange_mode)
+    common = dict(method=args.method, min_size=args.min_size, exchange_mode=args.exchange_mode,
+                  local_clipnorm=args.local_clipnorm)
     if args.agreement != "nominated" or args.agreed_slots != 1:
         from tf_topk.routes import AgreedIndexRoute, FixedRouter
 
-        common = dict(method=args.method, min_size=args.min_size,
-                      router=FixedRouter(AgreedIndexRoute(args.agreement, args.agreed_slots)))
+        common.pop("exchange_mode")
+        common["router"] = FixedRouter(AgreedIndexRoute(args.agreement, args.agreed_slots))
+    if args.masking and method in ("topk_mc", "adaptive_mc"):
+        common["config"] = tf_topk.ExchangeConfig(momentum_masking=True)
     # Momentum correction only where the method names it (TopKOptimizer's default is without).
     common["momentum_correction"] = method in ("topk_mc", "adaptive_mc")
     if method == "topk_mc" and args.optimizer in ("adam", "adamw"):
@@ -452,6 +466,7 @@ def run(args, log=None):
         "model": model_name(args, data[0].shape[1]), "params": params,
         "optimizer": optimizer_name(args),
         "selection_method": args.method, "min_size": args.min_size, "warmup_epochs": args.warmup_epochs,
+        "local_clipnorm": args.local_clipnorm, "momentum_masking": args.masking,
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
         **budget,
         "replicas": args.replicas, "exchange_mode": args.exchange_mode, "agreement": args.agreement,
@@ -662,10 +677,11 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tf_topk.bench convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=("digits", "synthetic", "shapes", "text"), default="digits",
-                        help="text: next-byte prediction on the Python standard library's source")
-    parser.add_argument("--model", choices=("mlp", "cnn", "transformer"), default=None,
-                        help="default: cnn for shapes (16x16 images), transformer for text (the only model "
+    parser.add_argument("--dataset", choices=("digits", "synthetic", "shapes", "signals", "text"), default="digits",
+                        help="shapes: 16x16 images, signals: 1-D waveforms (both generated); text: next-byte "
+                             "prediction on the Python standard library's source")
+    parser.add_argument("--model", choices=("mlp", "cnn", "cnn1d", "transformer"), default=None,
+                        help="default: cnn for shapes, cnn1d for signals, transformer for text (the only model "
                              "for it), mlp otherwise")
     parser.add_argument("--densities", type=cli.densities, default=[0.1, 0.01, 0.001])
     parser.add_argument("--methods", type=_methods, default=list(DEFAULT_METHODS),
@@ -696,6 +712,11 @@ def main(argv=None):
                              "0: the density from the first step")
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian",
                         help="tf_topk selection method")
+    parser.add_argument("--local-clipnorm", type=float, default=None,
+                        help="the sparse methods' local_clipnorm (DGC's local gradient clipping; default off)")
+    parser.add_argument("--masking", action="store_true",
+                        help="topk_mc with DGC's momentum factor masking (ExchangeConfig.momentum_masking=True; "
+                             "default off)")
     parser.add_argument("--min-size", type=int, default=None,
                         help="variables with fewer entries stay dense (default: the library's, 4096)")
     parser.add_argument("--adaptive", action="store_true",
@@ -775,7 +796,7 @@ def main(argv=None):
     if args.warmup_epochs < 0:
         parser.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
     if args.model is None:
-        args.model = {"shapes": "cnn", "text": "transformer"}.get(args.dataset, "mlp")
+        args.model = {"shapes": "cnn", "signals": "cnn1d", "text": "transformer"}.get(args.dataset, "mlp")
     if (args.model == "transformer") != (args.dataset == "text"):
         parser.error(f"--model transformer goes with --dataset text and only with it, got --model {args.model} "
                      f"--dataset {args.dataset}")

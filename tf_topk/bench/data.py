@@ -2,7 +2,8 @@
 
 digits (scikit-learn, ships with it), synthetic (scikit-learn's
 make_classification: 2500 samples, 64 features, 10 classes) and shapes
-(generated here: 16x16 images of 10 glyphs, see `make_shapes`) and text
+(generated here: 16x16 images of 10 glyphs, see `make_shapes`), signals
+(generated here: 1-D waveforms of 10 kinds, see `make_signals`) and text
 (next-byte prediction on the Python standard library's source, see
 `tf_topk.bench.text`) work offline; mnist and cifar10 download through
 keras.datasets and fail with a message that says so.
@@ -10,7 +11,7 @@ keras.datasets and fail with a message that says so.
 
 import sys
 
-DATASETS = ("digits", "synthetic", "shapes", "text", "mnist", "cifar10")
+DATASETS = ("digits", "synthetic", "shapes", "signals", "text", "mnist", "cifar10")
 
 # The shapes task's glyphs, one per class, drawn at scale 1 or 2.
 GLYPHS = (
@@ -61,12 +62,69 @@ def make_shapes(samples, seed):
     return x.reshape(samples, -1), y
 
 
+SIGNAL_LENGTH = 64
+
+
+def _signal_motifs(count):
+    """A waveform maker (length -> array) for each of `count` kinds (`make_signals`' classes): sines of three frequencies, a square wave, a sawtooth, rising and falling
+    chirps, a damped pulse, a double spike and a step."""
+    import numpy as np
+
+    def t(length):
+        return np.linspace(0.0, 1.0, length, dtype=np.float32)
+
+    def chirp(length, up):
+        phase = np.cumsum(np.linspace(1.0, 4.0, length) if up else np.linspace(4.0, 1.0, length))
+        return np.sin(2 * np.pi * phase / length * 2).astype(np.float32)
+
+    shapes = [
+        lambda n: np.sin(2 * np.pi * 1.0 * t(n)),
+        lambda n: np.sin(2 * np.pi * 2.0 * t(n)),
+        lambda n: np.sin(2 * np.pi * 3.0 * t(n)),
+        lambda n: np.sign(np.sin(2 * np.pi * 2.0 * t(n)) + 1e-6),
+        lambda n: 2.0 * (2.0 * t(n) % 1.0) - 1.0,
+        lambda n: chirp(n, up=True),
+        lambda n: chirp(n, up=False),
+        lambda n: np.exp(-4.0 * t(n)) * np.sin(2 * np.pi * 4.0 * t(n)),
+        lambda n: np.where((np.abs(t(n) - 0.25) < 0.08) | (np.abs(t(n) - 0.75) < 0.08), 1.0, 0.0),
+        lambda n: np.where(t(n) < 0.5, -0.6, 0.6),
+    ]
+    return shapes[:count]
+
+
+def make_signals(samples, seed):
+    """A 1-D task for a 1-D CNN: (x [samples, 64] float32, y int32).
+
+    Each sequence holds one of 10 waveforms (`_signal_motifs`) of random
+    length (14 to 18), position and amplitude (0.6 to 1.4), in Gaussian noise
+    (sigma 0.3), and in 70% of the sequences a distractor: a Gaussian bump
+    of either sign. As with `shapes`, a class is a waveform
+    wherever it sits, which convolutions share across positions.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    motifs = _signal_motifs(10)
+    x = rng.normal(0.0, 0.3, (samples, SIGNAL_LENGTH)).astype(np.float32)
+    y = rng.integers(0, len(motifs), samples).astype(np.int32)
+    positions = np.arange(SIGNAL_LENGTH, dtype=np.float32)
+    for i in range(samples):
+        length = int(rng.integers(14, 19))
+        start = int(rng.integers(0, SIGNAL_LENGTH - length + 1))
+        x[i, start:start + length] += rng.uniform(0.6, 1.4) * motifs[y[i]](length)
+        if rng.random() < 0.7:
+            center, width = rng.uniform(0, SIGNAL_LENGTH), rng.uniform(1.0, 4.0)
+            x[i] += rng.choice((-0.8, 0.8)) * np.exp(-0.5 * ((positions - center) / width) ** 2)
+    return x, y
+
+
 def load_data(name, seed=0):
     """(x_train, y_train, x_test, y_test): flat float32 features, int32 labels.
 
-    digits, synthetic and shapes get a fixed stratified split (20% test,
+    digits, synthetic, shapes and signals get a fixed stratified split (20% test,
     `seed`); mnist and cifar10 their published split, features scaled to [0, 1].
-    shapes are 16x16 images, flattened (reshape to (16, 16, 1) for a CNN).
+    shapes are 16x16 images, flattened (reshape to (16, 16, 1) for a CNN);
+    signals are sequences of 64 (reshape to (64, 1) for a 1-D CNN).
     text gives int32 byte windows [n, 64] and their next-byte targets [n, 64]:
     training windows drawn at random (`seed`) before the held-out tail, the
     test set fixed windows in it (`tf_topk.bench.text.load_text`).
@@ -77,7 +135,7 @@ def load_data(name, seed=0):
         return load_text(seed)
     import numpy as np
 
-    if name in ("digits", "synthetic", "shapes"):
+    if name in ("digits", "synthetic", "shapes", "signals"):
         from sklearn.model_selection import train_test_split
 
         if name == "digits":
@@ -87,6 +145,8 @@ def load_data(name, seed=0):
             x = x / 16.0
         elif name == "shapes":
             x, y = make_shapes(3750, seed)
+        elif name == "signals":
+            x, y = make_signals(3750, seed)
         else:
             from sklearn.datasets import make_classification
 

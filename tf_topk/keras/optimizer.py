@@ -144,7 +144,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         all_gather per step.
       error_feedback: keep residuals (default True).
       momentum_correction: for an inner `keras.optimizers.SGD` with momentum
-        > 0, DGC's momentum correction with momentum factor masking: its
+        > 0, DGC's momentum correction (without its momentum factor masking
+        unless `config=ExchangeConfig(momentum_masking=True)`): its
         momentum and nesterov move into the exchange: each replica keeps a
         velocity, accumulates it in its residual and sends the top-k of that,
         and the inner SGD applies the exchanged sum without momentum (its own

@@ -1,0 +1,45 @@
+"""The CNN diagnosis and the k-floor trial (benchmarks/cnn_diagnosis.py, benchmarks/k_floor_trial.py)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+
+
+@pytest.mark.slow
+def test_diagnosis_counts_what_each_variable_sent_after_the_warmup():
+    """Five epochs, the last after the 4-epoch warm-up: each sparsified variable sent k entries in each of
+    those steps, so sends per entry is k * steps / entries (entries sent twice are counted twice)."""
+    from cnn_diagnosis import diagnose
+
+    accuracy, rows = diagnose("signals", correction=False, density=0.001, learning_rate=0.02, epochs=5, every=25,
+                              log=lambda message: None)
+    steps_after_warmup = 94  # 3,000 training sequences in batches of 32: one epoch
+    assert 0.3 < accuracy <= 1.0
+    assert [(r["entries"], r["k"]) for r in rows] == [(10240, 11), (20480, 21), (131072, 132)]
+    for r in rows:
+        assert r["count_over_k"] == pytest.approx(1.0, abs=0.05), r  # the gaussian selection's count is k
+        assert 0.0 < r["recall"] <= 1.0 and 0.5 < r["energy"] <= 1.0 + 1e-6, r
+        assert r["sends_per_entry"] == pytest.approx(r["k"] * steps_after_warmup / r["entries"], rel=0.02), r
+        assert r["residual_over_grad"] > 1.0, r  # error feedback holds more than one gradient back
+
+
+@pytest.mark.slow
+def test_k_floor_trial_sends_at_least_the_floor_of_every_variable():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "64",
+                           "--dataset", "signals", "--densities", "0.001", "--methods", "topk_ef", "--seeds", "1",
+                           "--epochs", "1", "--json"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = json.loads(proc.stdout)["configs"][1]
+    sizes = (10240, 20480, 131072)
+    sent = sum(max(math.ceil(0.001 * n), 64) for n in sizes)
+    assert row["sent_density"] == pytest.approx(sent / sum(sizes), abs=1e-5), row
