@@ -101,8 +101,8 @@ class ExchangeConfig:
         Masking (DGC's momentum factor masking, zeroing a replica's velocity
         where it sent) is off by default: it drops the momentum an entry
         would still get after it is sent, so an entry sent often trains with
-        hardly any momentum (on the shapes CNN at density 0.01: 1.7 points
-        below dense with it, 0.4 above without; benchmarks/RESULTS.md).
+        hardly any momentum (on the shapes CNN at density 0.01, 8 seeds: 1.3
+        points below dense with it, 0.2 above without; benchmarks/RESULTS.md).
       beta_2: None, or Adam's beta_2 for Adam's momentum correction
         (`tf_topk.memory.AdamMomentumCorrectionMemory`): dense Adam for
         `variance_warmup_steps` steps, then the second moment frozen and
