@@ -9,7 +9,7 @@ error feedback with exchange_mode="allreduce" (nominated indices, one bucket, a
 non-finite gradient on one replica at `nan_step`), the same with ScaleCom's
 leader rule (leader from the call count), the same gradients on every
 replica (all nominate the same entries), one bucket per variable, momentum
-correction, and exchange_mode="auto"
+correction with DGC's momentum factor masking, and exchange_mode="auto"
 under a density schedule whose first step goes dense. Writes per run, step
 and replica the summed gradients, the residuals, velocities and statistics.
 """
@@ -50,7 +50,7 @@ RUNS = {
     "ef_slots2": dict(router=tf_topk.routes.FixedRouter(tf_topk.routes.AgreedIndexRoute(slots=2)), density=DENSITY),
     "ef_same": dict(exchange_mode="allreduce", density=DENSITY),  # every replica gets replica 0's gradients
     "ef_buckets": dict(exchange_mode="allreduce", density=DENSITY, bucket_bytes=8),
-    "dgc": dict(exchange_mode="allreduce", density=DENSITY, momentum=config["momentum"]),
+    "dgc": dict(exchange_mode="allreduce", density=DENSITY, momentum=config["momentum"], momentum_masking=True),
     "auto_schedule": dict(exchange_mode="auto", density=[(0, config["first_density"]), (1, DENSITY)]),
 }
 saved = {}
