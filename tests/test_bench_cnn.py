@@ -43,3 +43,10 @@ def test_k_floor_trial_sends_at_least_the_floor_of_every_variable():
     sizes = (10240, 20480, 131072)
     sent = sum(max(math.ceil(0.001 * n), 64) for n in sizes)
     assert row["sent_density"] == pytest.approx(sent / sum(sizes), abs=1e-5), row
+
+
+def test_k_floor_trial_names_a_bad_floor():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "0"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--floor must be >= 1, got 0" in proc.stderr, proc.stderr[-2000:]

@@ -66,8 +66,9 @@ SIGNAL_LENGTH = 64
 
 
 def _signal_motifs(count):
-    """A waveform maker (length -> array) for each of `count` kinds (`make_signals`' classes): sines of three frequencies, a square wave, a sawtooth, rising and falling
-    chirps, a damped pulse, a double spike and a step."""
+    """A waveform maker (length -> array) for each of `count` kinds (`make_signals`' classes):
+    sines of three frequencies, a square wave, a sawtooth, rising and falling chirps, a damped
+    pulse, a double spike and a step."""
     import numpy as np
 
     def t(length):
