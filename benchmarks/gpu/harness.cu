@@ -15,7 +15,7 @@
 // builds as a program:
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -DTF_TOPK_HARNESS_MAIN benchmarks/gpu/harness.cu -o tf_topk_harness
-//   ./tf_topk_harness [--no-timing]    # exit status 0: every check passed
+//   ./tf_topk_harness [--no-timing | --small]    # exit status 0: every check passed
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -715,7 +715,9 @@ bool TimeErrorFeedback() {
 
 #undef TF_TOPK_CHECK_CUDA
 
-int RunErrorFeedbackCheck(bool timing) {
+// small: only the cases up to about a million entries (for compute-sanitizer,
+// which slows every access down).
+int RunErrorFeedbackCheck(bool timing, bool small) {
   using tf_topk::Method;
   const Method kG = Method::kGaussian, kE = Method::kExact;
   const long long kBig = kTimingN;
@@ -740,7 +742,11 @@ int RunErrorFeedbackCheck(bool timing) {
   };
   int failures = 0;
   unsigned seed = 1;
-  for (const Case& c : cases) failures += CheckCase(c, seed++);
+  for (const Case& c : cases) {
+    const unsigned case_seed = seed++;
+    if (small && c.n > 1100000) continue;
+    failures += CheckCase(c, case_seed);
+  }
   if (timing && !TimeErrorFeedback()) ++failures;
   printf("error feedback: %d failure(s)\n", failures);
   return failures;
@@ -861,9 +867,10 @@ int tf_topk_error_feedback_bf16(const void* gradient, const void* residual,
 
 // The self-contained check of the fused op (host reference, no PyTorch; see
 // `namespace check` above) on the current device, and with timing != 0 its
-// timings at n = 25M. Prints to stdout; returns the number of failures.
-int tf_topk_error_feedback_check(int timing) {
-  return check::RunErrorFeedbackCheck(timing != 0);
+// timings at n = 25M; with small != 0 only the cases up to about a million
+// entries. Prints to stdout; returns the number of failures.
+int tf_topk_error_feedback_check(int timing, int small) {
+  return check::RunErrorFeedbackCheck(timing != 0, small != 0);
 }
 
 const char* tf_topk_error_string(int err) {
@@ -874,8 +881,21 @@ const char* tf_topk_error_string(int err) {
 
 #if defined(TF_TOPK_HARNESS_MAIN)
 // The program build (see the top of this file): the error-feedback check.
+// Flags: --no-timing (checks only), --small (the cases up to about a million
+// entries, no timing: for compute-sanitizer).
 int main(int argc, char** argv) {
-  const bool timing = !(argc > 1 && std::strcmp(argv[1], "--no-timing") == 0);
-  return tf_topk_error_feedback_check(timing ? 1 : 0) == 0 ? 0 : 1;
+  bool timing = true, small = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-timing") == 0) {
+      timing = false;
+    } else if (std::strcmp(argv[i], "--small") == 0) {
+      small = true;
+      timing = false;
+    } else {
+      fprintf(stderr, "unknown flag %s (flags: --no-timing, --small)\n", argv[i]);
+      return 2;
+    }
+  }
+  return tf_topk_error_feedback_check(timing ? 1 : 0, small ? 1 : 0) == 0 ? 0 : 1;
 }
 #endif  // TF_TOPK_HARNESS_MAIN
