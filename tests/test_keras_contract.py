@@ -91,6 +91,47 @@ def test_set_weights_reaches_the_inner_optimizers_state():
         target.set_weights([np.zeros(())])
 
 
+def test_an_inner_optimizer_whose_build_reads_the_variables_builds_where_keras_builds_it():
+    """ScheduleFreeAdamW's build copies the variables' values. Without a strategy Keras builds it in
+    fit's first traced step, with the model built in the same trace; the wrapper built it eagerly,
+    where those values read empty ("Shape mismatch ... (5, 10) and (0,)")."""
+    weights = []
+    for wrap in (False, True):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.layers.Dense(10)])
+        inner = keras.optimizers.ScheduleFreeAdamW(learning_rate=0.01)
+        model.compile(optimizer=tf_topk.TopKOptimizer(inner, density=1.0) if wrap else inner, loss="mse")
+        model.fit(np.ones((4, 5), "float32"), np.zeros((4, 10), "float32"), epochs=2, verbose=0)
+        weights.append(model.get_weights())
+    for alone, wrapped in zip(*weights):
+        np.testing.assert_allclose(wrapped, alone, rtol=0, atol=1e-6)
+
+
+def test_overwrite_with_gradient_under_accumulation_acts_as_keras():
+    """Keras's test_overwrite_with_gradient_with_gradient_accumulation on public state only: a variable
+    marked overwrite_with_gradient takes the accumulated steps' gradient, the other one SGD's step."""
+    finals = []
+    for options in (None, {"density": 1.0}, {"density": 1.0, "min_size": 1}):
+        overwritten = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
+        overwritten.overwrite_with_gradient = True
+        trained = keras.Variable([[1.0, 2.0], [3.0, 4.0]])
+        optimizer = keras.optimizers.SGD(learning_rate=1.0, gradient_accumulation_steps=2)
+        if options is not None:
+            optimizer = tf_topk.TopKOptimizer(optimizer, **options)
+        history = []
+        for grad in (tf.ones([2, 2]), 2.0 * tf.ones([2, 2]), tf.ones([2, 2])):
+            optimizer.apply_gradients([(grad, overwritten), (grad, trained)])
+            history.append((overwritten.numpy(), trained.numpy(), int(optimizer.iterations.numpy())))
+        finals.append(history)
+    np.testing.assert_allclose(finals[0][1][0], [[2.0, 2.0], [2.0, 2.0]])
+    np.testing.assert_allclose(finals[0][1][1], [[-0.5, 0.5], [1.5, 2.5]])
+    for history in finals[1:]:
+        for (want_overwritten, want_trained, want_steps), (overwritten, trained, steps) in zip(finals[0], history):
+            np.testing.assert_allclose(overwritten, want_overwritten, atol=1e-6)
+            np.testing.assert_allclose(trained, want_trained, atol=1e-6)
+            assert steps == want_steps
+
+
 def test_wrappers_are_numbered_as_keras_numbers_optimizers():
     first, second = (tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)) for _ in range(2))
     assert first.name.startswith("topk_optimizer") and first.name != second.name
@@ -128,7 +169,8 @@ def test_no_gradient_is_keras_error_and_a_missing_one_keras_warning():
 @pytest.mark.slow
 def test_a_gradient_made_outside_strategy_run_is_summed_under_mirrored_strategy():
     """Keras's own distribute tests hand the same tensor to every replica: the wrapper's dense route
-    gave those objects to the collective, which failed with IndexError."""
+    gave those objects to the collective, which failed with IndexError; the top-k path (min_size=1)
+    counted it once per replica where TensorFlow's all-reduce counts it once."""
     proc = subprocess.run([sys.executable, str(WORKERS_DIR / "outside_gradient.py")], cwd=REPO_ROOT,
                           env=worker_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]

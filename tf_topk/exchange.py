@@ -361,7 +361,11 @@ class SparseExchange(tf.Module):
         if context is None:
             raise RuntimeError("SparseExchange must be called in a replica context: inside strategy.run(...), "
                                "or outside any strategy scope")
+        shared = _same_object_on_every_replica(grads, context)
         grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+        # A gradient that is one tensor on every replica is one value to TensorFlow, whose all-reduce
+        # counts it once: each replica sends its share, so that every route sums it to that value.
+        grads = [g / context.num_replicas_in_sync if one else g for g, one in zip(grads, shared)]
         # A gradient in another float dtype than its variable's (a float64 variable, a float32 loss) is
         # cast to the variable's, as Keras's optimizers cast it: residuals and sums are in that dtype.
         grads = [g if g is None or g.dtype == spec.dtype or not (g.dtype.is_floating and spec.dtype.is_floating)
@@ -536,6 +540,19 @@ def _replica_counter(initial, dtype, name):
     return tf.Variable(initial, dtype=dtype, trainable=False, name=name,
                        synchronization=tf.VariableSynchronization.ON_READ,
                        aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+def _same_object_on_every_replica(grads, context):
+    """For each gradient, whether every replica of this process passed the same tensor object (one
+    made outside `strategy.run`, e.g. a constant captured by the step). A merge_call, so only where
+    this process holds every replica: with several workers, each worker's tensor is its own."""
+    replicas = context.num_replicas_in_sync
+    if replicas < 2 or len(tf.distribute.get_strategy().extended.worker_devices) != replicas:
+        return [False] * len(grads)
+    # merge_call regroups the replicas' arguments: the same object on every replica stays one object.
+    return context.merge_call(
+        lambda _, *values: [v is not None and not isinstance(v, tf.distribute.DistributedValues) for v in values],
+        args=tuple(grads))
 
 
 def _non_finite_count(tensor):

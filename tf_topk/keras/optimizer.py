@@ -349,8 +349,15 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         grads, trainable_variables = list(grads), list(trainable_variables)
         _check_gradients(grads, trainable_variables)
         if not self.built:
-            # Eagerly, as tf_keras builds: variables made while a tf.function
-            # traces are initialised in its first-call cond, which under
+            if not tf.distribute.has_strategy() and not self.inner_optimizer.built:
+                # Where Keras builds its own optimizer without a strategy: in the traced step, so
+                # that a build reading the variables' values (ScheduleFreeAdamW copies them) reads
+                # the ones a model built in the same trace holds.
+                with keras.name_scope(self.name, caller=self), \
+                        InnerOverrides(self.inner_optimizer, self._inner_overrides):
+                    self.inner_optimizer.build(trainable_variables)
+            # The wrapper's own state eagerly, as tf_keras builds: variables made while a
+            # tf.function traces are initialised in its first-call cond, which under
             # MirroredStrategy fails ("You must feed a value for placeholder").
             with tf.init_scope(), keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
