@@ -10,7 +10,8 @@ it found, and gives the exchange its parts. Where sending every entry
 sparsest step of the adaptive range, every step goes that way: no
 selection is spent (a fast link with a small model; the residuals stay
 empty). Where the prediction is a close call, the calibration times both
-steps whole and the faster one is taken. Otherwise a `TimedRouter` (per
+steps whole, and the sparse one is taken only where it ran
+SPARSE_MUST_WIN_BY times faster (else every entry, dense). Otherwise a `TimedRouter` (per
 bucket: dense, 16-bit dense, all_gather or agreed indices, whichever is
 predicted fastest) and an `AdaptiveDensity` whose link is the measured one
 (Khirirat et al.'s most improvement per unit of cost, in the measured
@@ -49,6 +50,13 @@ TYPICAL_DENSITY = math.sqrt(MIN_DENSITY * MAX_DENSITY)
 # fast link is many pairs at a cost small in bytes yet not in a step so short (the small CNN on
 # unlimited links took 0.066-0.076 and ran 0.85-0.96x dense, where density 0.001 ran 1.1-1.3x).
 CLOSE_CALL_SLACK = 0.05
+# Where the trial timed the steps whole, how many times faster than the dense step the timed
+# sparse step must be for the plan to sparsify. The trial times the exchange, not the work the
+# sparse path adds around it in a training step (a selection per variable, the residuals' and
+# statistics' updates), and closer than this the order of two short steps on a busy machine is
+# noise, while every entry sent dense costs no accuracy. On localhost the demo's trial timed
+# the sparse step 1.2-1.35x faster, and trained slower than dense (9.0 ms against 7.7 ms a step).
+SPARSE_MUST_WIN_BY = 1.5
 # Densities `advise` tabulates.
 ADVISE_DENSITIES = (0.1, 0.01, 0.001, 0.0001)
 
@@ -69,13 +77,13 @@ class Plan:
         be faster than sending every entry (the faster of the two; one
         replica: dense, nothing travels), else None. Where the calibration
         timed both steps whole (a close call), the measured times decide:
-        "dense" where its all-reduce was no slower than the sparse step."""
+        "dense" unless the sparse step was SPARSE_MUST_WIN_BY times faster."""
         if self.entries == 0:  # no variable large enough to sparsify
             return "dense"
         trial = None if self.calibration is None else self.calibration.trial()
         if trial is not None:
             dense_s, sparse_s = trial
-            return "dense" if dense_s <= sparse_s else None
+            return "dense" if dense_s < SPARSE_MUST_WIN_BY * sparse_s else None
         entries = max(1, self.entries)
         fewest = max(1, math.ceil(MIN_DENSITY * entries))  # the sparse end's fastest step
         small = self.small_entries
@@ -130,7 +138,8 @@ class Plan:
     def max_density(self):
         """The top of the sparse range: MAX_DENSITY, or where the trial timed
         two sparse steps, the density whose step the line through them puts
-        at the dense step's time (never a step slower than dense) or
+        at the dense step's time over SPARSE_MUST_WIN_BY (the sparse range
+        stays as much faster than dense as the plan asked of it) or
         CLOSE_CALL_SLACK above the timed sparse step's, whichever comes
         first, within [MIN_DENSITY, MAX_DENSITY]."""
         calibration = self.calibration
@@ -138,7 +147,7 @@ class Plan:
         if not slope:
             return MAX_DENSITY
         dense_s, sparse_s = calibration.trial()
-        budget_s = min(dense_s, (1.0 + CLOSE_CALL_SLACK) * sparse_s)
+        budget_s = min(dense_s / SPARSE_MUST_WIN_BY, (1.0 + CLOSE_CALL_SLACK) * sparse_s)
         k = calibration.trial_k + max(0.0, budget_s - sparse_s) / slope
         return min(MAX_DENSITY, max(MIN_DENSITY, k / max(1, self.entries)))
 
