@@ -28,6 +28,7 @@ geometrically and stop when the next would not fit).
 """
 
 import dataclasses
+import gc
 import math
 import statistics
 import weakref
@@ -143,6 +144,10 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     profile_density: how deep the trial's selection profiles the magnitudes,
       as the exchange would: a float, or a function of the timed step's
       density (an adaptive density's `profile_depth`).
+
+    Memory: at its peak (the trial) at most 7 times the float32 gradient of
+    `entries` per replica, about what one exchange step holds; nothing once
+    it returns.
     """
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not budget_s > 0:
         raise ValueError(f"budget_s must be a number > 0, got {budget_s!r}")
@@ -176,6 +181,9 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
         return Calibration(model, points, entries, None, None, time.perf_counter() - start)
     found = _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
                         budget_s, agreed[7])
+    # The timed steps' buffers (the model's gradient a few times over) sit in reference cycles of
+    # their traced functions: freed here, not at a later collection while the model trains.
+    gc.collect()
     return dataclasses.replace(refit_where_contradicted(found, small_entries), points=points,
                                seconds=time.perf_counter() - start)
 
@@ -229,9 +237,12 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
     if replicas > 1 and close and \
             (TRIAL_REPEATS + 1) * (dense_predicted_s + sparse_predicted_s + predicted_max_s) <= budget_s / 3:
         depth = profile_density if callable(profile_density) else lambda density: profile_density
-        steps = [dense_step, _sparse_step(strategy, entries, small_entries, k, depth(k / entries))]
+        # One gradient and residual for both sparse steps: the trial's memory is the model's
+        # gradient a few times over (`calibrate`), not once more for each step.
+        inputs = _sparse_inputs(entries, small_entries)
+        steps = [dense_step, _sparse_step(strategy, inputs, k, depth(k / entries))]
         if k_max is not None and k_max > k:
-            steps.append(_sparse_step(strategy, entries, small_entries, k_max, depth(k_max / entries)))
+            steps.append(_sparse_step(strategy, inputs, k_max, depth(k_max / entries)))
         dense_s, sparse_s, *more = slowest(strategy, interleaved_medians(steps, TRIAL_REPEATS))
         sparse_max_s = more[0] if more else None
     elif replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
@@ -375,15 +386,20 @@ def _time_collective(strategy, kind, largest, budget_s):
     return points
 
 
-def _sparse_step(strategy, entries, small_entries, k, profile_density):
-    """One sparse exchange step of a bucket of `entries` on every replica, as
-    the all_gather route takes it: the fused selection of k pairs (with the
-    magnitude profile), their all_gather with `small_entries` dense-path
-    entries, and the P * k pairs densified."""
+def _sparse_inputs(entries, small_entries):
+    """The trial's gradient and residual of a bucket of `entries`, and `small_entries` dense-path entries."""
+    return (tf.random.stateless_normal([entries], seed=[0, 1]), tf.zeros([entries], tf.float32),
+            tf.ones([small_entries], tf.float32))
+
+
+def _sparse_step(strategy, inputs, k, profile_density):
+    """One sparse exchange step of a bucket on every replica, as the all_gather
+    route takes it: the fused selection of k pairs (with the magnitude
+    profile), their all_gather with the dense-path entries, and the P * k
+    pairs densified. `inputs`: `_sparse_inputs`."""
     replicas = strategy.num_replicas_in_sync
-    gradient = tf.random.stateless_normal([entries], seed=[0, 1])
-    residual = tf.zeros([entries], tf.float32)
-    small = tf.ones([small_entries], tf.float32)
+    gradient, residual, small = inputs
+    entries = int(gradient.shape[0])
 
     @tf.function
     def run():
