@@ -302,7 +302,8 @@ def test_autopilot_is_a_density_that_saves_as_itself():
 
 
 def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_loads_in_a_new_process(tmp_path):
-    """TopKOptimizer(SGD) with no density: the autopilot, measured when fit builds the optimizer."""
+    """TopKOptimizer(SGD) with no density: the autopilot, measured when fit builds the optimizer, and its
+    plan saved with the model."""
     proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_fit.py"), str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tf_topk autopilot: calibration (" in proc.stderr
@@ -331,6 +332,19 @@ def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_load
                  str(tmp_path / "model.keras")])
     assert load.returncode == 0, load.stderr[-3000:]
     assert load.stdout.split() == ["TopKOptimizer", "None", "True"]
+    # Loaded on the same cluster (2 replicas), the plan saved with the model is the plan: nothing measured,
+    # the same line; on 3 replicas, the cluster is measured again, and the line says why.
+    same = _run([sys.executable, str(WORKERS_DIR / "autopilot_load.py"), str(tmp_path / "model.keras"), "2"])
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "tf_topk autopilot: the plan saved with the model, for the same 2 replicas and model: calibration (" \
+        in same.stderr and "planning again" not in same.stderr
+    assert json.loads(same.stdout.strip().splitlines()[-1])["describe"] == fit["describe"]
+    other = _run([sys.executable, str(WORKERS_DIR / "autopilot_load.py"), str(tmp_path / "model.keras"), "3"])
+    assert other.returncode == 0, other.stderr[-3000:]
+    assert "the plan saved with the model was made for 2 replicas and " in other.stderr
+    assert "here 3 replicas" in other.stderr and "planning again" in other.stderr
+    replanned = json.loads(other.stdout.strip().splitlines()[-1])
+    assert replanned["replicas"] == 3 and replanned["describe"].startswith("tf_topk autopilot: calibration (")
 
 
 def test_timed_router_takes_the_predicted_fastest_route_per_bucket():
@@ -401,3 +415,26 @@ def test_the_dense_route_overhead_benchmark_names_a_bad_argument():
                           cwd=REPO_ROOT, env={**os.environ, **worker_env()}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--repeats and --epochs must be >= 1, got 0 and 4" in proc.stderr, proc.stderr
+
+
+def test_a_measured_plan_round_trips_through_json_and_is_replanned_on_another_cluster(capsys):
+    from tf_topk.autopilot import plan
+    from tf_topk.calibrate import Calibration
+
+    model = CostModel.from_link(4, "1gbit")
+    n = 200_000
+    found = Calibration(model, {"all_reduce": [(1024, 1e-3)]}, n, 10.8015e-3, 4.8e-3, 3.0, 7e-3, 1.3e-3, 633,
+                        26.367e-3, 20_000, refit_from_s=0.5)
+    measured = Plan(dataclasses.replace(model, agreed_slots=2), found, n, 17)
+    config = json.loads(json.dumps(measured.get_config()))
+    assert "points" not in config["calibration"]  # one worker's, not what the plan decides on
+    again = Plan.from_config(config)
+    assert again.describe() == measured.describe() and again.model == measured.model
+    assert (again.dense_route(), again.max_density()) == (measured.dense_route(), measured.max_density())
+    # Saved for 4 replicas, used on 1 (no strategy): planned again, and said.
+    one = plan(n, 17, saved=config)
+    assert one.model.replicas == 1 and one.calibration is None
+    assert ("the plan saved with the model was made for 4 replicas and 200,000 + 17 entries; here 1 replica "
+            "and 200,000 + 17: planning again") in capsys.readouterr().err
+    with pytest.raises(ValueError, match="only a measured plan is saved"):
+        Plan(model, None, n).get_config()

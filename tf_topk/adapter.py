@@ -339,10 +339,23 @@ class TopKWrapper:
         # Held outside Keras tracking: its state is the variables above. None when built with no
         # variables (Keras allows `build([])`; such an optimizer then has nothing to apply to).
         object.__setattr__(self, "_exchange_object", SparseExchange(
-            var_list, self._exchange_config, make_state=make_state, **self._exchange_parts) if var_list else None)
+            var_list, self._exchange_config, make_state=make_state, saved_plan=self._saved_autopilot_plan(),
+            **self._exchange_parts) if var_list else None)
         self.skipped_steps = self._make_variable("skipped_steps", (), "int64", "counter")
         self._stat_variables = {stat: self._make_variable(f"compression_{stat}", (), "float32", "stat")
                                 for stat in STAT_NAMES}
+
+    def _saved_autopilot_plan(self):
+        """The autopilot's plan this optimizer came with (`from_config`), or None."""
+        return self.__dict__.get("_loaded_autopilot_plan")
+
+    def _autopilot_plan_config(self):
+        """The measured plan to save: the exchange's (once built), else the one it came with."""
+        exchange = self.__dict__.get("_exchange_object")
+        plan = None if exchange is None else exchange.autopilot_plan
+        if plan is not None:
+            return plan.get_config() if plan.calibration is not None else None
+        return self._saved_autopilot_plan()
 
     # -- what every wrapper shows ---------------------------------------------------------------
 
@@ -480,6 +493,10 @@ class TopKWrapper:
         config.pop("learning_rate", None)  # the inner optimizer's
         config["inner_optimizer"] = self._serialize_inner(self.inner_optimizer)
         config.update(flat_config(self._exchange_config))
+        # The autopilot's measured plan, so that a model resumed on the same cluster runs it again.
+        plan = self._autopilot_plan_config()
+        if plan is not None:
+            config["autopilot_plan"] = plan
         return config
 
     @classmethod
@@ -487,8 +504,11 @@ class TopKWrapper:
         """Reads what get_config writes, and earlier versions' configs (the
         same flat keys, fewer of them; without exchange_mode: "allgather",
         without momentum_masking: True, what they ran): ExchangeConfig's fields make one
-        ExchangeConfig, momentum_correction and sparse_updates apply to it."""
+        ExchangeConfig, momentum_correction and sparse_updates apply to it.
+        The autopilot's saved plan comes back with the optimizer and is run
+        again where the cluster and the model are the same."""
         config = dict(config)
+        saved_plan = config.pop("autopilot_plan", None)
         inner_optimizer = cls._deserialize_inner(config.pop("inner_optimizer"), custom_objects)
         fields = {name: config.pop(name) for name in CONFIG_FIELDS if name in config}
         # Written before exchange_mode existed, when every exchange was an
@@ -496,7 +516,9 @@ class TopKWrapper:
         fields.setdefault("exchange_mode", "allgather")
         # Written before momentum_masking was saved, when momentum correction always masked.
         fields.setdefault("momentum_masking", True)
-        return cls(inner_optimizer, config=ExchangeConfig.from_config(fields), **config)
+        optimizer = cls(inner_optimizer, config=ExchangeConfig.from_config(fields), **config)
+        object.__setattr__(optimizer, "_loaded_autopilot_plan", saved_plan)  # used when it builds
+        return optimizer
 
 
 def find_topk_optimizer(optimizer):

@@ -32,7 +32,7 @@ import dataclasses
 import math
 import sys
 
-from tf_topk.cost import AUTO_AGREED_SLOTS, CostModel
+from tf_topk.cost import AUTO_AGREED_SLOTS, CostModel, LinkModel
 
 # The link assumed when nothing can be measured (an exchange made in a traced function).
 ASSUMED_LINK = "1gbit"
@@ -151,6 +151,28 @@ class Plan:
         k = calibration.trial_k + max(0.0, budget_s - sparse_s) / slope
         return min(MAX_DENSITY, max(MIN_DENSITY, k / max(1, self.entries)))
 
+    def get_config(self):
+        """What a saved optimizer keeps of a measured plan (JSON-ready): the
+        cost model every worker agreed on and the calibration's timed steps,
+        without its points (one worker's). `Plan.from_config` makes the same
+        plan again, and so the same decisions, without measuring."""
+        if self.calibration is None:
+            raise ValueError("only a measured plan is saved (this one assumed its link)")
+        calibration = {field.name: getattr(self.calibration, field.name)
+                       for field in dataclasses.fields(self.calibration) if field.name != "points"}
+        calibration["model"] = dataclasses.asdict(calibration["model"])
+        return _plain({"model": dataclasses.asdict(self.model), "calibration": calibration, "entries": self.entries,
+                       "small_entries": self.small_entries})
+
+    @classmethod
+    def from_config(cls, config):
+        from tf_topk.calibrate import Calibration
+
+        calibration = dict(config["calibration"])
+        calibration["model"] = _cost_model(calibration["model"])
+        return cls(_cost_model(config["model"]), Calibration(points={}, **calibration), config["entries"],
+                   config["small_entries"])
+
     def describe(self):
         dense = self.dense_route()
         top = self.max_density()
@@ -166,6 +188,26 @@ class Plan:
         return (f"tf_topk autopilot: nothing measured (the exchange was made in a traced function or a replica "
                 f"context; build the optimizer under strategy.scope() before training to measure), assuming "
                 f"{self.model.describe()}{choice}")
+
+
+def _replicas(count):
+    return f"{count} replica" + ("" if count == 1 else "s")
+
+
+def _plain(value):
+    """`value` with numpy numbers made Python's (a config is written as JSON)."""
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return int(value) if float(value).is_integer() and "int" in type(value).__name__ else float(value)
+
+
+def _cost_model(fields):
+    """A CostModel from `dataclasses.asdict` of one."""
+    fields = dict(fields)
+    return CostModel(all_reduce=LinkModel(**fields.pop("all_reduce")), all_gather=LinkModel(**fields.pop("all_gather")),
+                     **fields)
 
 
 # Calibrations made in this process, by cluster and model sizes: a second optimizer for the same
@@ -186,19 +228,36 @@ def _cluster_key(strategy):
             json.dumps(cluster, sort_keys=True))
 
 
-def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True):
+def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=None):
     """The autopilot's Plan for an exchange of `entries` sparsifiable entries
     and `small_entries` dense-path ones under `strategy` (default: the
     current one). One replica sends nothing: every entry, dense, without a
     calibration (the default of a model trained on one device); so does an
     exchange with no sparsifiable entries (`entries` 0: every variable below
-    min_size)."""
+    min_size). `saved`: a plan's `get_config()` kept with a model; where the
+    replicas and the model's sizes are the same it is the plan (an exact
+    resume, nothing measured), else the cluster is measured again and the
+    line says why."""
     import tensorflow as tf
 
     from tf_topk.calibrate import calibrate
     from tf_topk.schedule import AdaptiveDensity
 
     strategy = strategy or tf.distribute.get_strategy()
+    if saved is not None:
+        restored = Plan.from_config(saved)
+        now = (strategy.num_replicas_in_sync, entries, small_entries)
+        then = (restored.model.replicas, restored.entries, restored.small_entries)
+        if now == then:
+            if log:
+                print(f"tf_topk autopilot: the plan saved with the model, for the same {now[0]} replicas and "
+                      f"model: {restored.describe().removeprefix('tf_topk autopilot: ')}", file=sys.stderr,
+                      flush=True)
+            return restored
+        if log:
+            print(f"tf_topk autopilot: the plan saved with the model was made for {_replicas(then[0])} and "
+                  f"{then[1]:,} + {then[2]:,} entries; here {_replicas(now[0])} and {now[1]:,} + {now[2]:,}: "
+                  "planning again", file=sys.stderr, flush=True)
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
     # One replica: nothing travels, so nothing to measure (the assumed link's plan is every entry, dense).
     if entries > 0 and strategy.num_replicas_in_sync > 1 and tf.executing_eagerly() and outside_replicas:

@@ -114,6 +114,10 @@ class SparseExchange(tf.Module):
         `replicated` state is the same on every replica (see
         `tf_topk.memory.make_state_variable`). Call the constructor in the
         strategy's scope.
+      saved_plan: with the autopilot, a plan it made before
+        (`exchange.autopilot_plan.get_config()`, which the Keras wrappers
+        save in their config): reused where the replicas and the variables'
+        sizes are the same, else the cluster is measured again.
 
     With `sparse_output`, each sparsified variable's gradient comes back as a
     `SparseGradient` (a row of pairs per replica, or one summed row with
@@ -124,7 +128,7 @@ class SparseExchange(tf.Module):
     _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls", "_adaptive_density"}
 
     def __init__(self, variables, config=None, *, selector=None, memory=None, router=None, residuals=None,
-                 make_state=None, name="sparse_exchange", communicator=None, **options):
+                 make_state=None, name="sparse_exchange", communicator=None, saved_plan=None, **options):
         super().__init__(name=name)
         if communicator is not None:
             raise TypeError("communicator=... was replaced by routes: pass router=tf_topk.routes.FixedRouter(route) "
@@ -148,7 +152,8 @@ class SparseExchange(tf.Module):
         if self.config.schedule.autopilot:
             specs = [_spec(v, self.config.min_size) for v in variables]
             self.autopilot_plan = autopilot.plan(sum(spec.size for spec in specs if spec.sparse),
-                                                 sum(spec.size for spec in specs if not spec.sparse) + 1)
+                                                 sum(spec.size for spec in specs if not spec.sparse) + 1,
+                                                 saved=saved_plan)
             self.config = self.config.replace(density=self.autopilot_plan.density())
             if self.autopilot_plan.dense_route() and self.config.momentum is not None:
                 # Every entry is sent: momentum factor masking, if asked for, would clear every velocity

@@ -136,7 +136,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         autopilot, except where it cannot choose both route and density
         (exchange_mode other than "auto", a router, or Adam's momentum
         correction when asked for): 0.001. `opt.density` then reads None
-        (saved as not given, measured again where it is loaded).
+        (saved as not given, with the measured plan: reused where it is
+        loaded on as many replicas, measured again on another count).
       method: "gaussian" (default) or "exact", see `tf_topk.approx_topk`.
       min_size: variables with fewer entries (biases, normalisation) take the
         ordinary dense all-reduce, all in one packed call.
