@@ -94,3 +94,9 @@ def test_keras_optimizer_tests_pass_against_the_wrapper_but_the_listed_ones(conf
     assert not new, f"new failures of Keras's optimizer tests against TopKOptimizer ({config}): {new}"
     fixed = sorted(name for name in expected if outcomes.get(name) == "passed")
     assert not fixed, f"listed as failing but passing now ({config}), take them off the list: {fixed}"
+
+
+def test_the_guide_lists_every_adapted_test():
+    guide = (REPO_ROOT / "docs" / "keras.md").read_text()
+    missing = [name for name in ADAPTED if f"`{name}`" not in guide]
+    assert not missing, f"docs/keras.md does not list {missing}"
