@@ -303,6 +303,7 @@ class TopKWrapper:
             overrides.update(momentum=0.0, nesterov=False)
         object.__setattr__(self, "_inner_overrides", overrides)
         object.__setattr__(self, "_exchange_object", None)
+        object.__setattr__(self, "_loaded_autopilot_plan", None)  # from_config sets a saved plan
 
     @property
     def exchange_config(self):
@@ -347,7 +348,7 @@ class TopKWrapper:
 
     def _saved_autopilot_plan(self):
         """The autopilot's plan this optimizer came with (`from_config`), or None."""
-        return self.__dict__.get("_loaded_autopilot_plan")
+        return self._loaded_autopilot_plan
 
     def _autopilot_plan_config(self):
         """The measured plan to save: the exchange's (once built), else the one it came with."""
