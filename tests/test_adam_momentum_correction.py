@@ -102,7 +102,7 @@ def reference(data, mode):
 def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("adam") / "replicas.npz"
     config = json.dumps(dict(shapes=SHAPES, min_size=MIN_SIZE, density=DENSITY, replicas=REPLICAS, steps=STEPS,
-                             warmup_steps=WARMUP, learning_rate=LR, weight_decay=WD, nan_step=NAN_STEP))
+                             warmup_steps=WARMUP, learning_rate=LR, weight_decay=WD, nan_step=NAN_STEP, runs=RUNS))
     proc = subprocess.run([sys.executable, str(WORKERS_DIR / "adam_replicas.py"), str(path), config],
                           cwd=REPO_ROOT, env=worker_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
                           timeout=300)
@@ -111,12 +111,14 @@ def data(tmp_path_factory):
         return dict(saved)
 
 
-RUNS = [f"{api}/{mode}" for api in ("keras", "tf_keras") for mode in ("allgather", "allreduce")]
+# "auto" after the warm-up takes the route plain error feedback takes here (all_gather at 2 replicas).
+RUNS = [f"{api}/{mode}" for api in ("keras", "tf_keras") for mode in ("allgather", "allreduce")] + ["keras/auto"]
+REFERENCE_MODE = {"allgather": "allgather", "allreduce": "allreduce", "auto": "allgather"}
 
 
 @pytest.mark.parametrize("label", RUNS)
 def test_two_replicas_match_numpy_over_warmup_freeze_and_sparse_steps(data, label):
-    mode = label.split("/")[1]
+    mode = REFERENCE_MODE[label.split("/")[1]]
     for s, (x, velocities, residuals, first, second, scales) in enumerate(reference(data, mode)):
         for r in range(REPLICAS):
             prefix = f"{label}/step{s}/replica{r}"
@@ -155,6 +157,25 @@ def test_the_two_wrappers_agree(data):
             np.testing.assert_allclose(data[f"tf_keras/{mode}/step{STEPS - 1}/replica0/variable{v}"],
                                        data[f"keras/{mode}/step{STEPS - 1}/replica0/variable{v}"], rtol=1e-5,
                                        atol=1e-6)
+
+
+@pytest.mark.parametrize("replicas", [2, 3, 4])
+def test_auto_takes_the_route_of_error_feedback_after_the_warmup(tmp_path, replicas):
+    """One routing rule for every memory: after its dense warm-up, Adam's momentum correction travels
+    by the route "auto" gives plain error feedback at the same density and replica count (0.001:
+    all_gather up to 4 replicas; 0.3: all_gather, then dense at 4), and by a dense step before."""
+    path = tmp_path / "modes.json"
+    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "adam_routes.py"), str(replicas), str(path)],
+                          cwd=REPO_ROOT, env=worker_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    modes = json.loads(path.read_text())
+    warmup = 2  # tests/workers/adam_routes.py's
+    for density in (0.001, 0.3):
+        adam, sgd = modes[f"{replicas}/{density}/adam"], modes[f"{replicas}/{density}/sgd"]
+        assert adam[:warmup] == [0.0] * warmup, (density, adam)
+        assert adam[warmup:] == sgd[warmup:], (density, adam, sgd)
+    assert modes[f"{replicas}/0.001/sgd"][-1] == 1.0  # all_gather
 
 
 # -- one process ---------------------------------------------------------------------------------

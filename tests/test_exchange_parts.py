@@ -289,3 +289,27 @@ def test_residuals_passed_next_to_a_memory_are_refused():
     with pytest.raises(ValueError, match="pass residuals to the memory"):
         tf_topk.SparseExchange([tf.Variable(tf.zeros([5000]))], min_size=16, memory=NoMemory(),
                                residuals=[tf.Variable(tf.zeros([5000]))])
+
+
+def test_the_exchange_asks_its_step_density_for_k_and_what_to_gather():
+    """The kind of density lives in one part (tf_topk.step_density): a schedule gathers nothing and
+    gives k from the step; the adaptive rule gathers one vote per candidate and keeps the agreed
+    density, which no checkpoint holds (the rule restarts from its initial density)."""
+    from tf_topk.step_density import AgreedAdaptiveDensity, ScheduledDensity
+
+    variables = [tf.Variable(tf.zeros([5000]))]
+    scheduled = tf_topk.SparseExchange(variables, density=[(0, 0.01), (10, 0.001)], min_size=1000)
+    assert isinstance(scheduled.step_density, ScheduledDensity)
+    assert int(scheduled.step_density.k(5000, tf.constant(3))) == 50
+    assert int(scheduled.step_density.k(5000, tf.constant(10))) == 5
+    assert scheduled.step_density.votes([], [], 1) is None and scheduled.adaptive_density is None
+
+    adaptive = tf_topk.SparseExchange(variables, density="adaptive", min_size=1000)
+    assert isinstance(adaptive.step_density, AgreedAdaptiveDensity)
+    assert float(adaptive.adaptive_density) == adaptive.step_density.rule.initial_density
+    result = adaptive([tf.random.stateless_normal([5000], seed=[1, 2])])
+    assert result.stats["selected"] > 0
+    chosen = float(adaptive.adaptive_density)
+    assert chosen in [pytest.approx(c) for c in adaptive.step_density.rule.candidates(5000)]
+    names = [v.name for v in adaptive.variables]  # what a checkpoint of the exchange holds
+    assert names and not any("adaptive_density" in name for name in names), names

@@ -50,9 +50,10 @@ from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFA
 from tf_topk.config import FIXED_DEFAULT_DENSITY
 from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable, memory_for
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
-from tf_topk.routes import (MODE_CODES, AgreedIndexRoute, AgreedOrDenseRoute, Bucket, Router, all_reduce_dense,
-                            carries, ring_all_reduce_bytes, router_for, taken_out)
+from tf_topk.routes import (MODE_CODES, AgreedIndexRoute, AgreedOrDenseRoute, AllGatherOrDenseRoute, AllGatherRoute,
+                            Bucket, Router, all_reduce_dense, carries, ring_all_reduce_bytes, router_for, taken_out)
 from tf_topk.selector import Selector, TopKSelector
+from tf_topk.step_density import replica_counter, step_density_for
 from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401  public here too
 
 ExchangeResult = collections.namedtuple("ExchangeResult", ["grads", "all_finite", "stats"])
@@ -125,7 +126,7 @@ class SparseExchange(tf.Module):
     bucket that "auto" sends dense when traced comes back as dense tensors.
     """
 
-    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls", "_adaptive_density"}
+    _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls", "step_density"}
 
     def __init__(self, variables, config=None, *, selector=None, memory=None, router=None, residuals=None,
                  make_state=None, name="sparse_exchange", communicator=None, saved_plan=None, **options):
@@ -176,24 +177,19 @@ class SparseExchange(tf.Module):
             and type(self.memory) is ErrorFeedbackMemory and not self.config.sparse_output
             and self.config.local_clipnorm is None)
         self.router = _part(router, Router, "router") or router_for(self.config.exchange_mode)
-        self.schedule = self.config.schedule
-        self.adaptive = self.schedule.adaptive
-        # Without a step, the leader of ScaleCom's agreed-index rule
-        # (AgreedIndexRoute("leader")) rotates with the number of calls (the same on every replica); with an adaptive density,
-        # the density this step uses, agreed at the previous step. Neither is
-        # checkpointed: any leader is valid, and the rule restarts from its
-        # initial density.
-        object.__setattr__(self, "_calls", _replica_counter(0, tf.int64, "exchange_calls")
+        # Without a step, the leader of ScaleCom's agreed-index rule (AgreedIndexRoute("leader")) rotates
+        # with the number of calls (the same on every replica); not checkpointed: any leader is valid.
+        object.__setattr__(self, "_calls", replica_counter(0, tf.int64, "exchange_calls")
                            if self.router.uses_leader else None)
-        object.__setattr__(self, "_adaptive_density", _replica_counter(self.adaptive.initial_density, tf.float64,
-                                                                       "adaptive_density") if self.adaptive else None)
         # Only static facts about the variables are kept: holding the variables
         # themselves would make them part of this module's checkpoint.
         self._specs = [_spec(v, self.config.min_size) for v in variables]
         self.sparse_positions = [i for i, s in enumerate(self._specs) if s.sparse]
         self.dense_positions = [i for i, s in enumerate(self._specs) if not s.sparse]
-        self._sparse_entries = sum(self._specs[i].size for i in self.sparse_positions)
-        self._buckets = self._make_buckets()
+        self._buckets = _buckets(self._specs, self.sparse_positions, self.config)
+        # k of each variable at each step, and what choosing it needs gathered (tf_topk.step_density).
+        object.__setattr__(self, "step_density", step_density_for(
+            self.config.schedule, self.router, sum(self._specs[i].size for i in self.sparse_positions)))
         make_state = make_state or make_state_variable
         # Checkpoints give each replica its own state back (tf_topk.replica_state):
         # hooked as the state is made, before a pending restore can reach it.
@@ -208,25 +204,6 @@ class SparseExchange(tf.Module):
         self._slot = {position: slot for slot, position in enumerate(self.sparse_positions)}
         self._dense_slot = {position: slot for slot, position in enumerate(self.dense_positions)}
 
-    def _make_buckets(self):
-        """Consecutive sparsified variables, at most bucket_bytes of pairs each."""
-        buckets, current, current_bytes = [], [], 0
-        for position in self.sparse_positions:
-            pair_bytes = 8 * self.config.max_pairs(self._specs[position].size)
-            if current and self.config.bucket_bytes is not None and \
-                    current_bytes + pair_bytes > self.config.bucket_bytes:
-                buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(position)
-            current_bytes += pair_bytes
-        buckets += [current] if current else []
-        for bucket in buckets:
-            total = sum(self._specs[p].size for p in bucket)
-            if total >= 2**31:
-                raise ValueError(f"a bucket of sparsified variables holds {total} entries; indices are int32, "
-                                 "so set bucket_bytes to split them into buckets of fewer than 2^31 entries")
-        return buckets
-
     @property
     def num_buckets(self):
         """Number of buckets: each is one collective per step (two with agreed indices)."""
@@ -236,7 +213,7 @@ class SparseExchange(tf.Module):
     def adaptive_density(self):
         """With an adaptive density: the density the next step uses (this
         replica's copy; every replica holds the same). None otherwise."""
-        return None if self._adaptive_density is None else self._adaptive_density.read_value()
+        return self.step_density.current
 
     def __call__(self, grads, step=None):
         """Exchange `grads` (one per variable, None allowed) in a replica context.
@@ -247,31 +224,30 @@ class SparseExchange(tf.Module):
         grads, context = self._check_call(grads)
         replicas = context.num_replicas_in_sync
         if self._every_entry_as_dense:
-            return self._exchange_as_dense(grads, context, replicas)
+            return _all_reduce_every_entry(grads, context, self._specs,
+                                           {p: self.memory.residuals[slot] for p, slot in self._slot.items()})
         if self.config.local_clipnorm is not None:
-            grads = self._clip_locally(grads, replicas)
+            grads = _clip_locally(grads, self.config.local_clipnorm, replicas)
         buckets = [self._bucket([p for p in positions if grads[p] is not None], step) for positions in self._buckets]
-        buckets = [bucket for bucket in buckets if bucket.positions]
-        routes = [self._dense_while_memory_asks(self.router.route(bucket, replicas)) for bucket in buckets]
+        routed = [self._route(bucket, replicas) for bucket in buckets if bucket.positions]
+        buckets, routes = [bucket for bucket, _ in routed], [route for _, route in routed]
         leader = self._leader(step, replicas) if any(route.uses_leader for route in routes) else None
         # 1. Local work, no communication but the agreement on indices: every
         #    sparsified variable's compensation and selection (the fused op).
         selections = [self._select(bucket, route, grads, context, leader)
                       for bucket, route in zip(buckets, routes)]
-        # 2. The dense-path gradients, the non-finite count and (adaptive
-        #    density) this replica's vote ride in a bucket's collective when
-        #    that is cheaper, else in their own all-reduce.
+        # 2. The dense-path gradients, the non-finite count and the density's
+        #    votes (if it takes any) ride in a bucket's collective when that is
+        #    cheaper, else in their own all-reduce.
         dense_positions = [i for i, g in enumerate(grads) if g is not None and not self._specs[i].sparse]
         small = [grads[i] for i in dense_positions]
         pieces = [piece for _, selection in selections for piece in selection]
         non_finite = tf.add_n([_non_finite_count(g) for g in small] + [tf.cast(p.stats[2], tf.float32) for p in pieces])
-        scalars = tf.reshape(non_finite, [1])
-        if self.adaptive:
-            votes, entries = self._propose_density(buckets, pieces, replicas)
-            scalars = tf.concat([scalars, votes], 0)
-        carrier = self._carrier(routes, small, scalars, replicas)
+        votes = self.step_density.votes(buckets, pieces, replicas)
+        scalars = tf.reshape(non_finite, [1]) if votes is None else tf.concat([tf.reshape(non_finite, [1]), votes], 0)
+        carrier = _carrier(routes, small, scalars, replicas)
         totals = collections.defaultdict(lambda: tf.constant(0.0, tf.float32))
-        if carrier is None and not pieces and not self.adaptive:
+        if carrier is None and not pieces and votes is None:
             # Every gradient present is on the dense path: the sums themselves say whether some replica's
             # gradient was non-finite, so they travel alone, as the inner optimizer's all-reduce sends them.
             reduced = all_reduce_dense(context, small)
@@ -307,55 +283,32 @@ class SparseExchange(tf.Module):
             for slot, position in zip(bucket.slots, bucket.positions):
                 out[position] = self.memory.apply_sparse(slot, out[position], all_finite)
         # 4. State changes only when every replica's step was finite: the
-        #    memory's, and the density the replicas agreed on for the next step.
-        agreed_density = self.adaptive.agree(reduced[-1][1:], entries) if self.adaptive else None
-        self._update_memory(buckets, selections, all_finite, agreed_density)
-        return ExchangeResult(out, all_finite, self._stats(grads, pieces, totals, len(buckets), replicas))
+        #    memory's, and the density's for the next step.
+        self._update_state(buckets, selections, all_finite, None if votes is None else reduced[-1][1:])
+        return ExchangeResult(out, all_finite, _stats(self._specs, grads, pieces, totals, len(buckets), replicas,
+                                                      self.error_feedback))
 
-    def _exchange_as_dense(self, grads, context, replicas):
-        """Every gradient (a sparsified one with its residual, which is then
-        emptied) and the non-finite count summed in one all-reduce per dtype,
-        as the plain optimizer's dense all-reduce does: the autopilot's choice
-        where no density would be faster."""
-        present = [i for i, g in enumerate(grads) if g is not None]
-        flushed = {i: grads[i] + tf.cast(self.memory.residuals[self._slot[i]], grads[i].dtype)
-                   for i in present if self._specs[i].sparse}
-        sent = [flushed.get(i, grads[i]) for i in present]
-        # A non-finite entry of any replica makes its sum non-finite: the sums say it, no count travels.
-        summed = all_reduce_dense(context, sent)
-        all_finite = tf.equal(tf.add_n([_non_finite_count(s) for s in summed]), 0.0)
-
-        def empty_residuals():
-            for i in flushed:
-                residual = self.memory.residuals[self._slot[i]]
-                residual.assign(tf.zeros_like(residual))
-            return tf.constant(True)
-
-        if flushed:
-            tf.cond(all_finite, empty_residuals, lambda: tf.constant(False))
-        out = [None] * len(grads)
-        for i, gradient in zip(present, summed):
-            out[i] = gradient
-        entries = float(sum(self._specs[i].size for i in flushed))
-        dense_bytes = ring_all_reduce_bytes(sum(self._specs[i].size * self._specs[i].dtype.size for i in present),
-                                            replicas)
-        selected = tf.constant(entries, tf.float32)
-        stats = {"density": tf.constant(1.0 if entries else 0.0, tf.float32), "selected": selected,
-                 "bytes_sent": tf.constant(dense_bytes, tf.float32),
-                 "bytes_dense": tf.constant(dense_bytes, tf.float32),
-                 "residual_norm": tf.constant(0.0, tf.float32), "contraction": tf.constant(0.0, tf.float32),
-                 "random_k_bound": tf.constant(0.0, tf.float32),
-                 "exchange_mode": tf.constant(MODE_CODES["dense"], tf.float32)}
-        return ExchangeResult(out, all_finite, stats)
-
-    def _dense_while_memory_asks(self, route):
-        """Agreed indices send every entry on the memory's dense steps: the
-        nominations of k = n entries would not cover them all."""
-        if not self.memory.may_send_every_entry or not isinstance(route, AgreedIndexRoute) or \
-                isinstance(route, AgreedOrDenseRoute):
-            return route
-        return AgreedOrDenseRoute(self.memory.sends_every_entry(), route.agreement,
-                                  route.slots)
+    def _route(self, bucket, replicas):
+        """The router's route for `bucket`, and the bucket it travels as. A
+        memory that sends every entry on some steps (Adam's warm-up) gets the
+        route the router takes at the density of its other steps, as any
+        memory does, and sends every entry on its dense steps through the same
+        collective (agreed indices or all_gather of all n; a collective may not
+        sit in a branch)."""
+        route = self.router.route(bucket, replicas)
+        if not self.memory.may_send_every_entry:
+            return bucket, route
+        dense_when = self.memory.sends_every_entry()
+        every_entry = bucket._replace(ks=[tf.where(dense_when, n, k) for n, k in zip(bucket.sizes, bucket.ks)],
+                                      max_pairs=bucket.size)
+        if isinstance(route, AgreedOrDenseRoute):
+            return every_entry, AgreedOrDenseRoute(tf.logical_or(dense_when, route.dense_when), route.agreement,
+                                                   route.slots)
+        if isinstance(route, AgreedIndexRoute):
+            return every_entry, AgreedOrDenseRoute(dense_when, route.agreement, route.slots)
+        if type(route) is AllGatherRoute and not self.config.sparse_output:
+            return every_entry, AllGatherOrDenseRoute(dense_when)
+        return every_entry, route  # dense: every entry anyway; all_gather with sparse_output: k = n pairs
 
     def _check_call(self, grads):
         """The gradients as dense tensors (or None), and the replica context."""
@@ -379,17 +332,6 @@ class SparseExchange(tf.Module):
             raise ValueError("all gradients are None: nothing to exchange")
         return grads, context
 
-    def _clip_locally(self, grads, replicas):
-        """This replica's gradients clipped to global norm local_clipnorm / sqrt(replicas)
-        (a non-finite norm makes them NaN: the step is then skipped)."""
-        present = [i for i, g in enumerate(grads) if g is not None]
-        clipped, _ = tf.clip_by_global_norm([grads[i] for i in present],
-                                            self.config.local_clipnorm / math.sqrt(replicas))
-        grads = list(grads)
-        for position, tensor in zip(present, clipped):
-            grads[position] = tensor
-        return grads
-
     def _leader(self, step, replicas):
         """The replica whose indices the agreed-index route sends: step mod P."""
         if step is None:
@@ -399,32 +341,17 @@ class SparseExchange(tf.Module):
     def _bucket(self, positions, step):
         """This step's Bucket of the present `positions`, with k per variable."""
         sizes = [self._specs[p].size for p in positions]
-        max_pairs = sum(sizes) if self.memory.may_send_every_entry else sum(self.config.max_pairs(n) for n in sizes)
         return Bucket(positions, [self._slot[p] for p in positions], sizes,
-                      [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes), [self._k(n, step) for n in sizes],
+                      [sum(sizes[:i]) for i in range(len(sizes))], sum(sizes),
+                      [self.step_density.k(n, step) for n in sizes],
                       [self._specs[p].shape for p in positions], [self._specs[p].dtype for p in positions],
-                      max_pairs)
-
-    def _k(self, size, step):
-        """k of a variable of `size` entries this step (all of them while the
-        memory asks for dense steps)."""
-        if self.memory.may_send_every_entry:
-            return tf.where(self.memory.sends_every_entry(), size, self._scheduled_k(size, step))
-        return self._scheduled_k(size, step)
-
-    def _scheduled_k(self, size, step):
-        """k of a variable of `size` entries by the density schedule."""
-        if self.adaptive is None:
-            return self.schedule.k(size, step)
-        k = tf.cast(tf.math.ceil(self._adaptive_density.read_value() * size), tf.int32)
-        return tf.clip_by_value(k, 1, size)
+                      sum(self.config.max_pairs(n) for n in sizes))
 
     def _select(self, bucket, route, grads, context, leader):
         """(the memory's Compensation, the route's ErrorFeedbackSelection) per member."""
         compensations = [self.memory.compensate(slot, grads[p])
                          for slot, p in zip(bucket.slots, bucket.positions)]
         fused = self.selector.fused_method
-        level = self.adaptive.profile_level(self._adaptive_density.read_value()) if self.adaptive else None
 
         def accumulate(i, k):  # member i: gradient + residual and (fused) k entries, in one op
             compensation, size = compensations[i], bucket.sizes[i]
@@ -432,9 +359,9 @@ class SparseExchange(tf.Module):
             def fused_op(profile_density=1.0):
                 return ops.error_feedback_topk(
                     compensation.gradient, compensation.residual, k if fused else 0, method=fused or "gaussian",
-                    with_profile=self.adaptive is not None, profile_density=profile_density)
+                    with_profile=self.step_density.with_profile, profile_density=profile_density)
 
-            selection = fused_op() if level is None else self._profiled(fused_op, size, level)
+            selection = self.step_density.select(fused_op, size)
             if fused or (isinstance(k, int) and k == 0):
                 return selection
             values, indices = self.selector.select(selection.remaining, k)
@@ -442,83 +369,124 @@ class SparseExchange(tf.Module):
 
         return compensations, route.select(bucket, accumulate, self.selector, context, leader)
 
-    def _profiled(self, fused_op, size, level):
-        """`fused_op` with the magnitude profile of a variable of `size`
-        entries taken at this step's depth: down to the rank the adaptive rule
-        may reach next over ALL sparsified entries (depth * n), not its own
-        share of it, since one variable may hold most of the largest entries;
-        the summed profiles are then exact to that rank. One branch per depth
-        of `AdaptiveDensity.profile_levels` (the op's depth is an attribute)."""
-        depths = [min(1.0, depth * self._sparse_entries / size) for depth in self.adaptive.profile_levels()]
-        if len(set(depths)) == 1:
-            return fused_op(depths[0])
-        return tf.switch_case(level, [lambda depth=depth: fused_op(depth) for depth in depths])
-
-    def _propose_density(self, buckets, pieces, replicas):
-        """This replica's vote for the next step's density (float32 one-hot
-        over `self.adaptive.candidates(entries)`) by the adaptive rule on the
-        profile of every sparsified variable, with the byte costs of the
-        routes in use; and `entries`, which the agreement needs."""
-        entries = float(sum(bucket.size for bucket in buckets))
-        workers = self.adaptive.replicas or replicas
-        pair_bytes = max(self.router.sparse_route(bucket, replicas).bytes_for_k(1.0, entries, workers)
-                         for bucket in buckets)
-        # Density 1 takes the dense route where the router can choose it, else
-        # every pair through the same route.
-        dense_bytes = (ring_all_reduce_bytes(4.0 * entries, workers) if self.router.can_go_dense
-                       else pair_bytes * entries)
-        index = self.adaptive.choose_index(tf.add_n([p.profile for p in pieces]), entries, pair_bytes, dense_bytes,
-                                           tf.add_n([p.stats[0] for p in pieces]))
-        return tf.one_hot(index, len(self.adaptive.candidates(entries)), dtype=tf.float32), entries
-
-    def _carrier(self, routes, small, scalars, replicas):
-        """Index of the bucket whose collective carries the dense-path
-        gradients and the scalars, or None for their own all-reduce: the
-        route where carrying costs the fewest extra bytes, if at most
-        DENSE_CARRY_BYTES (what one collective's latency is worth on a
-        1 Gbit/s link). float64 gradients take their own all-reduce (the
-        carrying buffers are float32)."""
-        if replicas == 1 or not routes or any(g.dtype == tf.float64 for g in small):
-            return None
-        entries = sum(int(g.shape.num_elements()) for g in small) + int(scalars.shape[0])
-        _, index = min((route.extra_carry_bytes(entries, replicas), i) for i, route in enumerate(routes))
-        return index if carries(routes[index], entries, replicas) else None
-
-    def _update_memory(self, buckets, selections, all_finite, agreed_density):
-        """The memory's update of every slot (and the adaptive density of the
-        next step), in one branch taken only when every replica's step was
+    def _update_state(self, buckets, selections, all_finite, summed_votes):
+        """The memory's update of every slot and the density's agreement on
+        the next step, in one branch taken only when every replica's step was
         finite (nothing is undone otherwise)."""
         def update():
             for bucket, (compensations, selection) in zip(buckets, selections):
                 for slot, compensation, piece in zip(bucket.slots, compensations, selection):
                     self.memory.update(slot, compensation, piece.remaining, piece.values, piece.indices)
             self.memory.finish_step()
-            if agreed_density is not None:
-                self._adaptive_density.assign(tf.cast(agreed_density, tf.float64))
+            self.step_density.finish(summed_votes, buckets)
             return tf.constant(True)
 
         tf.cond(all_finite, update, lambda: tf.constant(False))
 
-    def _stats(self, grads, pieces, totals, buckets, replicas):
-        present = [i for i, g in enumerate(grads) if g is not None]
-        sparse_entries = float(sum(self._specs[p].size for p in present if self._specs[p].sparse))
-        # What the dense all-reduce sends: each gradient in its own dtype.
-        dense_all_bytes = float(sum(self._specs[p].size * self._specs[p].dtype.size for p in present))
-        selected = tf.add_n([tf.cast(tf.math.count_nonzero(p.values), tf.float32) for p in pieces] or [0.0])
-        accumulated_sq = tf.add_n([tf.cast(p.stats[0], tf.float32) for p in pieces] or [0.0])
-        dropped_sq = tf.add_n([tf.cast(tf.maximum(p.stats[1], 0.0), tf.float32) for p in pieces] or [0.0])
-        # With a memory, what was dropped from the accumulated gradient is the residual.
-        residual_sq = dropped_sq if self.error_feedback else tf.constant(0.0, tf.float32)
-        return {
-            "density": selected / max(sparse_entries, 1.0),
-            "selected": selected,
-            "bytes_sent": totals["bytes"],
-            "bytes_dense": tf.constant(ring_all_reduce_bytes(dense_all_bytes, replicas), tf.float32),
-            "residual_norm": tf.sqrt(residual_sq),
-            "contraction": dropped_sq / tf.maximum(accumulated_sq, 1e-30),
-            "random_k_bound": 1.0 - totals["k"] / max(sparse_entries, 1.0),
-            "exchange_mode": totals["mode"] / max(float(buckets), 1.0),
-        }
+
+def _all_reduce_every_entry(grads, context, specs, residuals):
+    """Every gradient (a sparsified one with its residual, which is then
+    emptied) and the non-finite count summed in one all-reduce per dtype,
+    as the plain optimizer's dense all-reduce does: the autopilot's choice
+    where no density would be faster (`residuals`: per position of a
+    sparsified variable, its residual)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    flushed = {i: grads[i] + tf.cast(residuals[i], grads[i].dtype) for i in present if specs[i].sparse}
+    sent = [flushed.get(i, grads[i]) for i in present]
+    # A non-finite entry of any replica makes its sum non-finite: the sums say it, no count travels.
+    summed = all_reduce_dense(context, sent)
+    all_finite = tf.equal(tf.add_n([_non_finite_count(s) for s in summed]), 0.0)
+
+    def empty_residuals():
+        for i in flushed:
+            residuals[i].assign(tf.zeros_like(residuals[i]))
+        return tf.constant(True)
+
+    if flushed:
+        tf.cond(all_finite, empty_residuals, lambda: tf.constant(False))
+    out = [None] * len(grads)
+    for i, gradient in zip(present, summed):
+        out[i] = gradient
+    entries = float(sum(specs[i].size for i in flushed))
+    dense_bytes = ring_all_reduce_bytes(sum(specs[i].size * specs[i].dtype.size for i in present),
+                                        context.num_replicas_in_sync)
+    selected = tf.constant(entries, tf.float32)
+    stats = {"density": tf.constant(1.0 if entries else 0.0, tf.float32), "selected": selected,
+             "bytes_sent": tf.constant(dense_bytes, tf.float32),
+             "bytes_dense": tf.constant(dense_bytes, tf.float32),
+             "residual_norm": tf.constant(0.0, tf.float32), "contraction": tf.constant(0.0, tf.float32),
+             "random_k_bound": tf.constant(0.0, tf.float32),
+             "exchange_mode": tf.constant(MODE_CODES["dense"], tf.float32)}
+    return ExchangeResult(out, all_finite, stats)
+
+
+def _buckets(specs, sparse_positions, config):
+    """Consecutive sparsified variables, at most `config.bucket_bytes` of pairs each."""
+    buckets, current, current_bytes = [], [], 0
+    for position in sparse_positions:
+        pair_bytes = 8 * config.max_pairs(specs[position].size)
+        if current and config.bucket_bytes is not None and \
+                current_bytes + pair_bytes > config.bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(position)
+        current_bytes += pair_bytes
+    buckets += [current] if current else []
+    for bucket in buckets:
+        total = sum(specs[p].size for p in bucket)
+        if total >= 2**31:
+            raise ValueError(f"a bucket of sparsified variables holds {total} entries; indices are int32, "
+                             "so set bucket_bytes to split them into buckets of fewer than 2^31 entries")
+    return buckets
+
+
+def _clip_locally(grads, clipnorm, replicas):
+    """This replica's gradients clipped to global norm clipnorm / sqrt(replicas)
+    (a non-finite norm makes them NaN: the step is then skipped)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    clipped, _ = tf.clip_by_global_norm([grads[i] for i in present],
+                                        clipnorm / math.sqrt(replicas))
+    grads = list(grads)
+    for position, tensor in zip(present, clipped):
+        grads[position] = tensor
+    return grads
+
+
+def _carrier(routes, small, scalars, replicas):
+    """Index of the bucket whose collective carries the dense-path
+    gradients and the scalars, or None for their own all-reduce: the
+    route where carrying costs the fewest extra bytes, if at most
+    DENSE_CARRY_BYTES (what one collective's latency is worth on a
+    1 Gbit/s link). float64 gradients take their own all-reduce (the
+    carrying buffers are float32)."""
+    if replicas == 1 or not routes or any(g.dtype == tf.float64 for g in small):
+        return None
+    entries = sum(int(g.shape.num_elements()) for g in small) + int(scalars.shape[0])
+    _, index = min((route.extra_carry_bytes(entries, replicas), i) for i, route in enumerate(routes))
+    return index if carries(routes[index], entries, replicas) else None
+
+
+def _stats(specs, grads, pieces, totals, buckets, replicas, error_feedback):
+    """The statistics of one replica's step (STAT_NAMES)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    sparse_entries = float(sum(specs[p].size for p in present if specs[p].sparse))
+    # What the dense all-reduce sends: each gradient in its own dtype.
+    dense_all_bytes = float(sum(specs[p].size * specs[p].dtype.size for p in present))
+    selected = tf.add_n([tf.cast(tf.math.count_nonzero(p.values), tf.float32) for p in pieces] or [0.0])
+    accumulated_sq = tf.add_n([tf.cast(p.stats[0], tf.float32) for p in pieces] or [0.0])
+    dropped_sq = tf.add_n([tf.cast(tf.maximum(p.stats[1], 0.0), tf.float32) for p in pieces] or [0.0])
+    # With a memory, what was dropped from the accumulated gradient is the residual.
+    residual_sq = dropped_sq if error_feedback else tf.constant(0.0, tf.float32)
+    return {
+        "density": selected / max(sparse_entries, 1.0),
+        "selected": selected,
+        "bytes_sent": totals["bytes"],
+        "bytes_dense": tf.constant(ring_all_reduce_bytes(dense_all_bytes, replicas), tf.float32),
+        "residual_norm": tf.sqrt(residual_sq),
+        "contraction": dropped_sq / tf.maximum(accumulated_sq, 1e-30),
+        "random_k_bound": 1.0 - totals["k"] / max(sparse_entries, 1.0),
+        "exchange_mode": totals["mode"] / max(float(buckets), 1.0),
+    }
 
 
 def _part(part, base, name):
@@ -538,13 +506,6 @@ def _spec(variable, min_size):
                          "to exchange")
     size = int(shape.num_elements())
     return _VariableSpec(variable.name, shape, size, dtype, size >= min_size)
-
-
-def _replica_counter(initial, dtype, name):
-    """A per-replica variable every replica updates alike (the first's is read)."""
-    return tf.Variable(initial, dtype=dtype, trainable=False, name=name,
-                       synchronization=tf.VariableSynchronization.ON_READ,
-                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
 
 def _same_object_on_every_replica(grads, context):

@@ -2,9 +2,9 @@
 
 Usage: adam_replicas.py OUT.npz CONFIG_JSON, the configuration coming from
 tests/test_adam_momentum_correction.py: variable shapes, min_size, density,
-replicas, steps, warm-up steps, learning rate, weight decay and the step on
-which one replica's gradient is NaN. Each replica gets its own gradients,
-applied through `TopKOptimizer(AdamW)` of Keras 3 and of tf_keras, with each
+replicas, steps, warm-up steps, learning rate, weight decay, the step on
+which one replica's gradient is NaN, and the runs (wrapper/exchange_mode). Each replica gets its own gradients,
+applied through `TopKOptimizer(AdamW)` of Keras 3 or of tf_keras, with an
 exchange mode. Writes, per run and step, every replica's variables and its
 memory state (residuals, velocities, moments), plus the inputs and the
 starting values; the test compares them with a numpy reference.
@@ -57,34 +57,33 @@ def make(api, mode):
 
 
 saved = {}
-for api in ("keras", "tf_keras"):
-    for mode in ("allgather", "allreduce"):
-        label = f"{api}/{mode}"
-        variables, optimizer, apply = make(api, mode)
+for label in config["runs"]:
+    api, mode = label.split("/")
+    variables, optimizer, apply = make(api, mode)
 
-        @tf.function
-        def step(step_grads):
-            def replica_fn():
-                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-                apply([tf.gather(g, replica) for g in step_grads])
+    @tf.function
+    def step(step_grads):
+        def replica_fn():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            apply([tf.gather(g, replica) for g in step_grads])
 
-            strategy.run(replica_fn)
+        strategy.run(replica_fn)
 
-        for s in range(STEPS):
-            step([tf.constant(np.stack([grads[s][r][v] for r in range(REPLICAS)])) for v in range(len(SHAPES))])
-            memory = optimizer.exchange.memory
-            states = {"residual": memory.residuals, "velocity": memory.velocities, "first": memory.first_moments,
-                      "second": memory.second_moments, "scale": memory.gradient_scales}
-            for r in range(REPLICAS):
-                prefix = f"{label}/step{s}/replica{r}"
-                for v, variable in enumerate(variables):
-                    value = variable.value if api == "keras" else variable
-                    saved[f"{prefix}/variable{v}"] = strategy.experimental_local_results(value)[r].numpy()
-                for name, state in states.items():
-                    for slot, variable in enumerate(state):
-                        saved[f"{prefix}/{name}{slot}"] = variable.values[r].numpy()
-        saved[f"{label}/skipped"] = np.array(int(optimizer.skipped_steps.numpy()))
-        saved[f"{label}/iterations"] = np.array(int(optimizer.iterations.numpy()))
+    for s in range(STEPS):
+        step([tf.constant(np.stack([grads[s][r][v] for r in range(REPLICAS)])) for v in range(len(SHAPES))])
+        memory = optimizer.exchange.memory
+        states = {"residual": memory.residuals, "velocity": memory.velocities, "first": memory.first_moments,
+                  "second": memory.second_moments, "scale": memory.gradient_scales}
+        for r in range(REPLICAS):
+            prefix = f"{label}/step{s}/replica{r}"
+            for v, variable in enumerate(variables):
+                value = variable.value if api == "keras" else variable
+                saved[f"{prefix}/variable{v}"] = strategy.experimental_local_results(value)[r].numpy()
+            for name, state in states.items():
+                for slot, variable in enumerate(state):
+                    saved[f"{prefix}/{name}{slot}"] = variable.values[r].numpy()
+    saved[f"{label}/skipped"] = np.array(int(optimizer.skipped_steps.numpy()))
+    saved[f"{label}/iterations"] = np.array(int(optimizer.iterations.numpy()))
 for s in range(STEPS):
     for r in range(REPLICAS):
         for v in range(len(SHAPES)):

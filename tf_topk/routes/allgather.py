@@ -4,6 +4,7 @@ import tensorflow as tf
 
 from tf_topk.gather import all_gather_rows
 from tf_topk.routes.base import Route, gather_bytes, split_dense, split_pairs
+from tf_topk.routes.dense import DenseRoute, send_all
 
 
 class AllGatherRoute(Route):
@@ -26,26 +27,12 @@ class AllGatherRoute(Route):
     name, code = "allgather", 1.0
 
     def send(self, context, bucket, values, indices, lengths, carry, sparse_output):
-        replicas = context.num_replicas_in_sync
-        if replicas == 1:
-            rows_values, rows_indices, summed_carry = tf.expand_dims(values, 0), tf.expand_dims(indices, 0), carry
-        else:
-            parts = [values, tf.bitcast(indices, tf.float32)] + ([] if carry is None else [carry])
-            rows = tf.reshape(all_gather_rows(context, tf.concat(parts, 0)), [replicas, -1])
-            k = tf.size(values)
-            rows_values, rows_indices = rows[:, :k], tf.bitcast(rows[:, k:2 * k], tf.int32)
-            summed_carry = None
-            if carry is not None:
-                summed_carry = rows[0, 2 * k:]
-                for replica in range(1, replicas):
-                    summed_carry = summed_carry + rows[replica, 2 * k:]
+        rows, summed_carry = _gather(context, tf.concat([values, tf.bitcast(indices, tf.float32)], 0), carry)
+        k = tf.size(values)
+        rows_values, rows_indices = rows[:, :k], tf.bitcast(rows[:, k:], tf.int32)
         if sparse_output:
             return split_pairs(bucket, lengths, rows_values, rows_indices), summed_carry
-        shape = tf.constant([bucket.size], tf.int32)
-        dense = tf.scatter_nd(tf.expand_dims(rows_indices[0], 1), rows_values[0], shape)
-        for replica in range(1, replicas):
-            dense = tf.tensor_scatter_nd_add(dense, tf.expand_dims(rows_indices[replica], 1), rows_values[replica])
-        return split_dense(bucket, dense), summed_carry
+        return split_dense(bucket, _scatter_in_replica_order(rows_values, rows_indices, bucket.size)), summed_carry
 
     def bytes(self, pairs, entries, replicas):
         return (replicas - 1) * 8.0 * pairs
@@ -55,3 +42,83 @@ class AllGatherRoute(Route):
         P = 2 and more above."""
         return gather_bytes(entries, replicas)
 
+
+class AllGatherOrDenseRoute(AllGatherRoute):
+    """All_gather of pairs, or, on the steps where `dense_when` (a bool
+    tensor, the same on every replica) holds, every entry's value in bucket
+    order through the same gather, summed in replica order: a memory's dense
+    steps (Adam's warm-up) ahead of the all_gather that "auto" takes at the
+    memory's density, as for any memory. One collective either way, since a
+    collective may not sit in a branch of a replica context; on dense steps
+    it sends (P-1) * 4n bytes, P/2 times the dense all-reduce's, at the
+    replica counts where "auto" gathers. No `sparse_output`: a dense step
+    returns every entry."""
+
+    def __init__(self, dense_when):
+        self.dense_when = dense_when
+
+    @property
+    def code(self):
+        return tf.where(self.dense_when, DenseRoute.code, AllGatherRoute.code)
+
+    def select(self, bucket, accumulate, selector, context, leader):
+        def every_entry(i, size):  # as the dense route selects
+            accumulated = accumulate(i, 0)
+            return send_all(accumulated, accumulated.remaining, size)
+
+        def member(i, k, size):
+            return tf.cond(self.dense_when, lambda: every_entry(i, size), lambda: accumulate(i, k))
+
+        return [member(i, k, size) for i, (k, size) in enumerate(zip(bucket.ks, bucket.sizes))]
+
+    def send(self, context, bucket, values, indices, lengths, carry, sparse_output):
+        if sparse_output:
+            raise ValueError("AllGatherOrDenseRoute returns dense gradients: sparse_output must be False")
+        # Dense steps: the values alone, in bucket order (every replica sends all n).
+        sent = tf.cond(self.dense_when, lambda: values, lambda: tf.concat([values, tf.bitcast(indices, tf.float32)], 0))
+        rows, summed_carry = _gather(context, sent, carry)
+        k = tf.size(values)
+
+        def sum_rows():
+            summed = rows[0, :k]
+            for replica in range(1, rows.shape[0]):
+                summed = summed + rows[replica, :k]
+            return summed
+
+        summed = tf.cond(self.dense_when, sum_rows, lambda: _scatter_in_replica_order(
+            rows[:, :k], tf.bitcast(rows[:, k:2 * k], tf.int32), bucket.size))
+        return split_dense(bucket, summed), summed_carry
+
+    def bytes(self, pairs, entries, replicas):
+        return tf.where(self.dense_when, gather_bytes(entries, replicas), AllGatherRoute.bytes(self, pairs, entries,
+                                                                                               replicas))
+
+    def __repr__(self):
+        return f"AllGatherOrDenseRoute(dense_when={self.dense_when!r})"
+
+
+def _gather(context, buffer, carry):
+    """Every replica's `buffer` (+ `carry`) as rows [replicas, len], and the
+    carry summed over replicas in replica order (None without a carry)."""
+    replicas = context.num_replicas_in_sync
+    if replicas == 1:
+        return tf.expand_dims(buffer, 0), carry
+    parts = [buffer] + ([] if carry is None else [carry])
+    rows = tf.reshape(all_gather_rows(context, tf.concat(parts, 0)), [replicas, -1])
+    if carry is None:
+        return rows, None
+    width = tf.size(buffer)
+    summed_carry = rows[0, width:]
+    for replica in range(1, replicas):
+        summed_carry = summed_carry + rows[replica, width:]
+    return rows[:, :width], summed_carry
+
+
+def _scatter_in_replica_order(rows_values, rows_indices, size):
+    """The pairs of every row summed into a dense [size] tensor, one scatter
+    per replica in replica order (bitwise the same on every replica)."""
+    shape = tf.constant([size], tf.int32)
+    dense = tf.scatter_nd(tf.expand_dims(rows_indices[0], 1), rows_values[0], shape)
+    for replica in range(1, rows_values.shape[0]):
+        dense = tf.tensor_scatter_nd_add(dense, tf.expand_dims(rows_indices[replica], 1), rows_values[replica])
+    return dense
