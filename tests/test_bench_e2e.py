@@ -131,6 +131,45 @@ def test_summary_and_ratios():
     assert "topk:0.01" in table and "4.00x" in table
 
 
+def test_calibration_runs_are_read_against_the_configured_rate():
+    def run(all_reduce_mbit, all_gather_mbit):
+        return {"seconds": 2.0, "dense_s": 0.5, "dense_predicted_s": 0.4, "refit_from_s": None, "line": "",
+                "all_reduce_latency_s": 1e-3, "all_gather_latency_s": 2e-3,
+                "all_reduce_bytes_per_s": all_reduce_mbit * 1e6 / 8, "all_gather_bytes_per_s": all_gather_mbit * 1e6 / 8}
+
+    runs = [run(95, 80), run(100, 60), run(1, 99)]  # the second and third misread a link by more than 30%
+    workers = [{"index": i, "calibrations": [dict(r) for r in runs]} for i in range(2)]
+    row = e2e.summarize_calibrations("calibrate:3", workers, 30.0, 100e6)
+    assert row["runs"] == 3 and row["within_tolerance"] == 1
+    assert [r["all_reduce_rate_share"] for r in row["calibrations"]] == [0.95, 1.0, 0.01]
+    table = e2e.format_calibrations({"workers": 2, "bandwidth": "100mbit", "model": "wide", "params": 10}, row)
+    assert "1 of 3 runs fitted both rates within 30% of the configured 100mbit" in table
+    assert e2e.summarize_calibrations("calibrate:3", workers, 30.0, None)["within_tolerance"] is None
+    workers[1]["calibrations"][2]["all_gather_bytes_per_s"] *= 2  # every worker must have fitted the same lines
+    with pytest.raises(RuntimeError, match="worker 1 fitted other links than worker 0"):
+        e2e.summarize_calibrations("calibrate:3", workers, 30.0, 100e6)
+
+
+def test_calibrations_measure_the_link_again_and_again_and_leave_nothing():
+    """`--calibrations 2`: no training, the autopilot's measurement twice on two workers (in
+    namespaces at 1 Gbit/s where root allows), every worker fitting the same links each time."""
+    run_id = _run_id()
+    argv = BENCH + ["--workers", "2", "--model", "tiny", "--calibrations", "2", *MODE_ARGS, "--json",
+                    "--run-id", run_id, "--timeout", "150"]
+    proc = subprocess.run(argv, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=300)
+    try:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        (row,) = json.loads(proc.stdout)["configs"]
+        assert row["config"] == "calibrate:2" and row["runs"] == 2
+        for calibration in row["calibrations"]:
+            assert calibration["all_reduce_bytes_per_s"] > 0 and calibration["all_gather_bytes_per_s"] > 0
+            assert calibration["dense_predicted_s"] > 0 and calibration["line"].startswith("calibration (")
+        assert (row["within_tolerance"] is None) == (not USE_NETNS)
+    finally:
+        _assert_nothing_left(run_id)
+
+
 def test_exchange_modes_name_the_configurations_and_reach_the_workers(capsys):
     from tf_topk.bench.e2e_worker import parse_config
 

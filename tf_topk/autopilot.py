@@ -240,9 +240,6 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
     line says why."""
     import tensorflow as tf
 
-    from tf_topk.calibrate import calibrate
-    from tf_topk.schedule import AdaptiveDensity
-
     strategy = strategy or tf.distribute.get_strategy()
     if saved is not None:
         restored = Plan.from_config(saved)
@@ -264,10 +261,7 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
         key = (_cluster_key(strategy), entries, small_entries)
         found = _MEASURED.get(key)
         if found is None:
-            found = calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
-                              trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
-                              profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)
-            _MEASURED[key] = found
+            found = _MEASURED[key] = measure(strategy, entries, small_entries, budget_s)
         elif log:
             print("tf_topk autopilot: the same cluster and model sizes as an earlier plan in this process: its "
                   "measurement reused", file=sys.stderr, flush=True)
@@ -279,6 +273,19 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
     if log:
         print(result.describe(), file=sys.stderr, flush=True)
     return result
+
+
+def measure(strategy, entries, small_entries=0, budget_s=2.0):
+    """The calibration the plan is made from (`tf_topk.calibrate.calibrate`
+    with the autopilot's trial: a sparse step at TYPICAL_DENSITY and at
+    MAX_DENSITY, profiled as the adaptive density would), measured anew; on
+    every worker at the same point, in the cross-replica context."""
+    from tf_topk.calibrate import calibrate
+    from tf_topk.schedule import AdaptiveDensity
+
+    return calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
+                     trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
+                     profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)
 
 
 def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0):

@@ -44,8 +44,10 @@ from tf_topk.gather import all_gather_rows
 # float32 entries of the first timed collective; each next size is FACTOR times larger.
 FIRST_ENTRIES = 256
 FACTOR = 8
-# Calls per size (the median is kept), after one untimed call that traces.
+# Calls per size (the median is kept), after one untimed call that traces; down to MIN_REPEATS
+# where a larger size's calls would not fit the budget otherwise.
 REPEATS = 5
+MIN_REPEATS = 3
 # Entries the selection and the rounding are timed on (throughput), and the selection's density.
 SELECTION_ENTRIES = 1 << 20
 SELECTION_DENSITY = 0.01
@@ -132,9 +134,10 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     entries: the gradient entries the model exchanges: collectives are timed
       up to that size (not beyond what a step sends) and the dense
       all-reduce of exactly that many is measured when it fits the budget.
-    budget_s: a bound on the calibration's time (the calls of each collective
-      get at most a third, the trial the last third; a size whose predicted
-      time would overrun is not timed; the one trace per function comes on top).
+    budget_s: a bound on the calibration's time: the calls of each collective
+      get at most a third (a size whose predicted time would overrun is not
+      timed), the trial at most the last third and what the compute's timing
+      left of it; the one trace per function comes on top.
     small_entries: float32 entries of the dense path beside `entries` (small
       variables): in the dense all-reduce, and carried by the trial's all_gather.
     trial_density: the sparse step the trial times (k = ceil(trial_density *
@@ -217,8 +220,8 @@ def refit_where_contradicted(found, small_entries=0):
 def _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
                 budget_s, elapsed):
     """A Calibration of `model` with the whole steps timed (no points, seconds 0): the
-    trial where the call is close and its calls fit a third of the budget, else
-    the dense all-reduce alone where it fits what is left of the budget.
+    trial where the call is close and its calls fit a third of the budget and
+    what is left of it, else the dense all-reduce alone where it fits what is left.
     `elapsed` is the slowest worker's time so far (agreed): every branch here
     is the same on every worker, so their collectives pair up."""
     replicas = model.replicas
@@ -235,7 +238,8 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
     close = k is not None and max(dense_predicted_s, sparse_predicted_s) <= \
         CLOSE_CALL * min(dense_predicted_s, sparse_predicted_s)
     if replicas > 1 and close and \
-            (TRIAL_REPEATS + 1) * (dense_predicted_s + sparse_predicted_s + predicted_max_s) <= budget_s / 3:
+            (TRIAL_REPEATS + 1) * (dense_predicted_s + sparse_predicted_s + predicted_max_s) <= \
+            min(budget_s / 3, budget_s - elapsed):
         depth = profile_density if callable(profile_density) else lambda density: profile_density
         # One gradient and residual for both sparse steps: the trial's memory is the model's
         # gradient a few times over (`calibrate`), not once more for each step.
@@ -357,32 +361,45 @@ def _block(result):
 
 def _time_collective(strategy, kind, largest, budget_s):
     """[(bytes a worker sends, median seconds)] for sizes FIRST_ENTRIES, x FACTOR,
-    ... up to `largest`, while the calls of the next size are predicted to fit
-    `budget_s` (the one trace of the function is not counted).
+    ... up to `largest`: the first two always (a line needs two), then each
+    while MIN_REPEATS + 1 calls of the next size are predicted to fit
+    `budget_s` (the one trace of the function is not counted), with up to
+    REPEATS + 1 where they fit.
 
-    Every worker must time the same sizes (the collectives pair up), so the
-    decision to go on is itself agreed: the slowest worker's prediction."""
+    The prediction is the line through the sizes timed so far, never below
+    the last size's call: small calls are mostly latency, and scaling one in
+    proportion to its size (as if all bandwidth) stopped the sizes while
+    they were still far below what a step sends, where the slope misreads a
+    rate-limited link (a token bucket's burst, TCP's slow start) by 1.5x and
+    more. Every worker must time the same sizes (the collectives pair up), so
+    the decision to go on is itself agreed: the slowest worker's prediction."""
     replicas = strategy.num_replicas_in_sync
-    points, size, spent = [], min(FIRST_ENTRIES, largest), 0.0
+
+    def sent(size):
+        return ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size
+
+    points, size, spent, repeats = [], min(FIRST_ENTRIES, largest), 0.0, REPEATS
     collective = _collective(strategy, kind)
     while True:
-        seconds, first = _timed_calls(_of_size(collective, size), REPEATS)
-        spent += REPEATS * seconds + (first if points else seconds)  # the first size's first call traces
-        sent = ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size
-        points.append((sent, seconds))
+        seconds, first = _timed_calls(_of_size(collective, size), repeats)
+        spent += repeats * seconds + (first if points else seconds)  # the first size's first call traces
+        points.append((sent(size), seconds))
         following = min(size * FACTOR, largest)
         if following == size:
             break
-        # The next size: its calls, at most FACTOR times this size's each.
-        predicted = spent + (REPEATS + 1) * seconds * following / size
-        if slowest(strategy, [predicted])[0] > budget_s:
-            break
+        if len(points) >= 2:
+            call = max(LinkModel.fit(points).time(sent(following)), seconds)
+            spent_everywhere, call = slowest(strategy, [spent, call])
+            left = budget_s - spent_everywhere
+            if left < (MIN_REPEATS + 1) * call:
+                break
+            # As many calls as fit at twice the predicted time (the line bends upwards where a
+            # burst ends), one of them untimed.
+            repeats = max(MIN_REPEATS, min(REPEATS, int(left / (2.0 * call)) - 1))
         size = following
-    if len(points) == 1:  # a line needs two sizes: the smallest halved (or, at one entry, the first size)
+    if len(points) == 1:  # `largest` is the first size: a line needs two, the smallest halved
         size = size // 2 if size > 1 else FIRST_ENTRIES
-        half = _median_call(_of_size(collective, size), REPEATS)
-        points.append((ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size,
-                       half))
+        points.append((sent(size), _median_call(_of_size(collective, size), REPEATS)))
     return points
 
 

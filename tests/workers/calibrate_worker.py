@@ -3,7 +3,8 @@
 workers: MultiWorkerMirroredStrategy from TF_CONFIG (one replica per worker);
 local:N: MirroredStrategy over N logical CPUs of this process;
 trial: time the dense and two sparse steps whole (densities 0.003 and 0.03),
-however far apart the time model puts them.
+however far apart the time model puts them, within a 3 s budget (the trial gets what is left of
+its last third, which a loaded machine's compute timing can eat at 1.5 s).
 late: worker 1 starts calibrating 4 s after worker 0 (it built its model later), with a 3 s
 budget: worker 0's own clock is then past the budget when it decides whether to time the dense
 all-reduce, worker 1's is not.
@@ -36,7 +37,8 @@ if trial:
     tf_topk.calibrate.CLOSE_CALL = float("inf")
 if late and task == 1:
     time.sleep(4.0)
-found = tf_topk.calibrate.calibrate(strategy, entries=300_000, budget_s=3.0 if late else 1.5, small_entries=1_000,
+found = tf_topk.calibrate.calibrate(strategy, entries=300_000, budget_s=3.0 if late or trial else 1.5,
+                                    small_entries=1_000,
                                     trial_density=0.003 if trial else None,
                                     trial_max_density=0.03 if trial else None, profile_density=0.1)
 print(found.describe())

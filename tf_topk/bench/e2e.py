@@ -7,6 +7,12 @@ per configuration: the median step time after warm-up, samples/s, and the
 bytes each worker puts on the wire per step (its veth's tx/rx counters around
 the timed steps), with ratios to dense.
 
+`--calibrations N` trains nothing: the workers run the autopilot's
+measurement of the cluster (`tf_topk.autopilot.measure`) N times in a row and
+report each run's fitted all-reduce and all_gather rates as shares of
+`--bandwidth`: whether the calibration reads the link it runs on
+(`python -m tf_topk.bench e2e --workers 4 --bandwidth 100mbit --calibrations 10`).
+
 Each worker runs in its own network namespace (root required; see
 `tf_topk.bench.netns`): one veth per worker to a bridge in a namespace of its
 own, addresses 10.213.0.0/24 that exist only there, every veth end's egress
@@ -144,6 +150,63 @@ def summarize(config, workers_results, duration_s):
     }
 
 
+# The calibration reads the link right where each collective's fitted rate is within this share
+# of the configured rate (a ring all-reduce and an all_gather send at most the link's rate).
+RATE_TOLERANCE = 0.3
+
+
+def summarize_calibrations(config, workers_results, duration_s, rate_bits):
+    """The row of a `calibrate:<n>` configuration: per run, each collective's
+    fitted rate as a share of the configured one (`rate_bits`, None on an
+    unlimited link: no share), and how many runs read both within
+    RATE_TOLERANCE. Every worker fits the same line (agreed), so worker 0's
+    runs speak for all; that they agree is checked here."""
+    runs = workers_results[0]["calibrations"]
+    for other in workers_results[1:]:
+        keys = ("all_reduce_bytes_per_s", "all_gather_bytes_per_s", "all_reduce_latency_s", "all_gather_latency_s")
+        if [[r[k] for k in keys] for r in other["calibrations"]] != [[r[k] for k in keys] for r in runs]:
+            raise RuntimeError(f"{config}: worker {other['index']} fitted other links than worker 0")
+    configured = None if rate_bits is None else rate_bits / 8.0
+    for run in runs:
+        for kind in ("all_reduce", "all_gather"):
+            fitted = run[f"{kind}_bytes_per_s"]
+            run[f"{kind}_rate_share"] = (None if configured is None or fitted is None
+                                         else round(fitted / configured, 3))
+    shares = [(r["all_reduce_rate_share"], r["all_gather_rate_share"]) for r in runs]
+    return {
+        "config": config, "calibrations": runs, "runs": len(runs),
+        "within_tolerance": (None if configured is None else
+                             sum(all(s is not None and abs(s - 1.0) <= RATE_TOLERANCE for s in pair)
+                                 for pair in shares)),
+        "seconds_median": round(statistics.median(r["seconds"] for r in runs), 2),
+        "seconds_max": round(max(r["seconds"] for r in runs), 2),
+        "duration_s": round(duration_s, 1),
+    }
+
+
+def format_calibrations(result, row):
+    """The table of a `--calibrations` run: one line per calibration."""
+    lines = [f"e2e --calibrations: {result['workers']} workers, bandwidth {result['bandwidth']}, model "
+             f"{result['model']} ({result['params']:,} parameters)",
+             f"{'run':>4} {'seconds':>8} {'all-reduce':>22} {'all_gather':>22} {'dense ms':>9} {'predicted':>10}"]
+
+    def link(run, kind):
+        rate, share = run[f"{kind}_bytes_per_s"], run[f"{kind}_rate_share"]
+        text = "-" if rate is None else f"{rate * 8 / 1e6:,.1f} Mbit/s"
+        return text + ("" if share is None else f" ({share:.2f}x)")
+
+    def ms(value):
+        return "-" if value is None else f"{value * 1e3:,.1f}"
+
+    for i, run in enumerate(row["calibrations"]):
+        lines.append(f"{i + 1:>4} {run['seconds']:>8.2f} {link(run, 'all_reduce'):>22} {link(run, 'all_gather'):>22} "
+                     f"{ms(run['dense_s']):>9} {ms(run['dense_predicted_s']):>10}")
+    if row["within_tolerance"] is not None:
+        lines.append(f"{row['within_tolerance']} of {row['runs']} runs fitted both rates within "
+                     f"{RATE_TOLERANCE:.0%} of the configured {result['bandwidth']}")
+    return "\n".join(lines)
+
+
 def add_ratios(rows):
     """speedup (dense step time / step time) and bytes reduction (dense bytes / bytes) per row."""
     dense = next((r for r in rows if r["config"] == "dense"), None)
@@ -212,6 +275,11 @@ def run_config(config, args, cluster, run_id, out_dir, stream):
     for i in range(args.workers):
         with open(os.path.join(config_dir, f"result_{i}.json")) as f:
             results.append(json.load(f))
+    if config.startswith("calibrate:"):
+        row = summarize_calibrations(config, results, launched.duration_s,
+                                     netns_lib.parse_rate(args.bandwidth) if cluster is not None else None)
+        _log(f"{config}: {row['runs']} calibrations, median {row['seconds_median']} s, {launched.duration_s:.0f} s")
+        return row, results[0]
     row = summarize(config, results, launched.duration_s)
     _log(f"{config}: median step {row['step_time_s'] * 1e3:.1f} ms, "
          f"tx {row['wire_tx_bytes_per_step'] or row['tcp_sent_bytes_per_step']} B/step/worker, "
@@ -243,8 +311,10 @@ def run(args):
             _log(f"setting up namespaces {cluster.base}-*")
             cluster.setup()  # a partial set-up is removed by the teardown below
             result["qdiscs"] = cluster.describe()
-        for config in configurations(args.densities, args.dgc, args.adaptive, args.exchange_modes, args.bf16,
-                                     args.autopilot):
+        configs = ([f"calibrate:{args.calibrations}"] if args.calibrations else
+                   configurations(args.densities, args.dgc, args.adaptive, args.exchange_modes, args.bf16,
+                                  args.autopilot))
+        for config in configs:
             row, first = run_config(config, args, cluster, run_id, out_dir, stream)
             rows.append(row)
             result.update(params=first["params"], tf_version=first["tf_version"],
@@ -263,7 +333,7 @@ def run(args):
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-    result["configs"] = add_ratios(rows)
+    result["configs"] = rows if args.calibrations else add_ratios(rows)
     result["duration_s"] = round(time.monotonic() - started, 1)
     result["machine"]["loadavg_end"] = [round(v, 2) for v in os.getloadavg()]
     return result
@@ -311,6 +381,9 @@ def main(argv=None):
                         help="also run `dense_bf16`: every entry all-reduced in bfloat16, rounding error kept")
     parser.add_argument("--autopilot", action="store_true",
                         help="also run `autopilot`: the link measured, route and density chosen by time")
+    parser.add_argument("--calibrations", type=int, default=0,
+                        help="instead of training: the autopilot's measurement of the cluster this many times in "
+                             "a row, each run's fitted rates against --bandwidth")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (tracing, connections)")
     parser.add_argument("--batch-size", type=int, default=16, help="per worker")
@@ -338,6 +411,8 @@ def main(argv=None):
         return 1 if problems else 0
     if args.workers < 1:
         parser.error(f"--workers must be >= 1, got {args.workers}")
+    if args.calibrations < 0:
+        parser.error(f"--calibrations must be >= 0, got {args.calibrations}")
     if args.steps < 1 or args.warmup < 1 or args.batch_size < 1:
         parser.error("--steps, --warmup and --batch-size must be >= 1")
     if args.run_id is not None and not args.run_id.isalnum():
@@ -373,7 +448,7 @@ def main(argv=None):
     if args.json:
         print(json.dumps(result))
     else:
-        print(format_table(result))
+        print(format_calibrations(result, result["configs"][0]) if args.calibrations else format_table(result))
     return 0
 
 

@@ -20,6 +20,9 @@ configuration under MultiWorkerMirroredStrategy with a custom loop:
     autopilot     TopKOptimizer(same optimizer, density="autopilot"): the link
                   measured when the optimizer is built, routes and density
                   chosen by predicted time (tf_topk.autopilot)
+    calibrate:<n> no training: the autopilot's measurement of the cluster
+                  (tf_topk.autopilot.measure) for the model's sizes, n times
+                  in a row, each run's fitted links written to the result
 
 on generated data (a fixed random teacher labels Gaussian inputs; each worker
 has its own batches), `--warmup` steps, then `--steps` timed steps, each
@@ -128,9 +131,13 @@ def parse_config(text):
     """(kind, density, exchange mode or None for the library's default):
     'dense' -> (None, None, None); 'topk:0.001' -> ('topk', 0.001, None);
     'dgc:0.001@allreduce' -> ('dgc', 0.001, 'allreduce'); 'adaptive' -> ('adaptive', 'adaptive', None);
-    'autopilot' -> ('autopilot', 'autopilot', None); 'dense_bf16' -> ('dense_bf16', 1.0, 'dense_bf16')."""
+    'autopilot' -> ('autopilot', 'autopilot', None); 'dense_bf16' -> ('dense_bf16', 1.0, 'dense_bf16');
+    'calibrate:10' -> ('calibrate', 10, None)."""
     if text == "dense":
         return None, None, None
+    m = re.match(r"^calibrate:([1-9]\d*)$", text)
+    if m:
+        return "calibrate", int(m.group(1)), None
     if text in ("adaptive", "autopilot"):
         return text, text, None
     if text == "dense_bf16":
@@ -138,14 +145,16 @@ def parse_config(text):
     m = re.match(r"^(topk|dgc):(\d*\.?\d+(?:e-?\d+)?)(?:@(\w+))?$", text)
     if not m or not 0 < float(m.group(2)) <= 1:  # the mode is checked by TopKOptimizer (no TF here yet)
         raise ValueError(f"config must be 'dense', 'dense_bf16', 'topk:<density in (0, 1]>', 'dgc:<density>', "
-                         f"'adaptive' or 'autopilot', optionally with '@<exchange mode>', got {text!r}")
+                         f"'adaptive' or 'autopilot', optionally with '@<exchange mode>', or 'calibrate:<runs>', "
+                         f"got {text!r}")
     return m.group(1), float(m.group(2)), m.group(3)
 
 
 def parse_args(argv=None):
     """The worker's options; tf_topk.bench.e2e writes this command line, so the two change together."""
     p = argparse.ArgumentParser(prog="python -m tf_topk.bench.e2e_worker")
-    p.add_argument("--config", required=True, help="dense, topk:<density>, dgc:<density> or adaptive")
+    p.add_argument("--config", required=True, help="dense, topk:<density>, dgc:<density>, adaptive, autopilot, "
+                   "dense_bf16 or calibrate:<runs>")
     p.add_argument("--model", choices=MODELS, default="wide")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
@@ -284,6 +293,30 @@ def autopilot_facts(optimizer):
             **{key: getattr(calibration, field, None) for key, field in measured.items()}}
 
 
+def calibrations(tf_topk, strategy, model, runs):
+    """The autopilot's measurement for `model`'s sizes, `runs` times: per run
+    its seconds and each collective's fitted link (every worker agreed on
+    it), this worker's timed points, the timed dense all-reduce and what the
+    line predicted for it."""
+    from tf_topk.config import DEFAULT_MIN_SIZE
+
+    sizes = [int(v.shape.num_elements()) for v in model.trainable_variables]
+    entries = sum(n for n in sizes if n >= DEFAULT_MIN_SIZE)
+    small = sum(n for n in sizes if n < DEFAULT_MIN_SIZE) + 1  # + the non-finite count, as the exchange sends
+    found = []
+    for _ in range(runs):
+        calibration = tf_topk.autopilot.measure(strategy, entries, small)
+        link = {kind: getattr(calibration.model, kind) for kind in ("all_reduce", "all_gather")}
+        found.append({"seconds": calibration.seconds, "dense_s": calibration.dense_s,
+                      "dense_predicted_s": calibration.dense_predicted_s,
+                      "refit_from_s": calibration.refit_from_s, "line": calibration.describe(),
+                      "points": calibration.points,
+                      **{f"{kind}_latency_s": line.latency_s for kind, line in link.items()},
+                      **{f"{kind}_bytes_per_s": (1.0 / line.seconds_per_byte if line.seconds_per_byte else None)
+                         for kind, line in link.items()}})
+    return found
+
+
 def write_result(out, index, result):
     """result_<index>.json in `out`, written whole (through a rename): the benchmark reads it once it appears."""
     path = os.path.join(out, f"result_{index}.json")
@@ -314,6 +347,16 @@ def main(argv=None):
     import tf_topk
 
     replicas = strategy.num_replicas_in_sync
+    if kind == "calibrate":
+        with strategy.scope():
+            model, _, _ = build_model(keras, args.model, args.seed)
+        write_result(args.out, index, {
+            "index": index, "config": args.config, "model": args.model, "replicas": replicas,
+            "params": int(sum(np.prod(v.shape) for v in model.trainable_variables)),
+            "calibrations": calibrations(tf_topk, strategy, model, density),
+            "tf_version": tf.__version__, "keras_version": keras.__version__})
+        print(f"worker {index}: {args.config} done", flush=True)
+        exit_without_teardown()
     model, optimizer, shape, classes = build_training(keras, tf_topk, strategy, args, kind, density,
                                                       exchange_mode)
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
