@@ -78,14 +78,7 @@ class AllGatherOrDenseRoute(AllGatherRoute):
         sent = tf.cond(self.dense_when, lambda: values, lambda: tf.concat([values, tf.bitcast(indices, tf.float32)], 0))
         rows, summed_carry = _gather(context, sent, carry)
         k = tf.size(values)
-
-        def sum_rows():
-            summed = rows[0, :k]
-            for replica in range(1, rows.shape[0]):
-                summed = summed + rows[replica, :k]
-            return summed
-
-        summed = tf.cond(self.dense_when, sum_rows, lambda: _scatter_in_replica_order(
+        summed = tf.cond(self.dense_when, lambda: _sum_in_replica_order(rows), lambda: _scatter_in_replica_order(
             rows[:, :k], tf.bitcast(rows[:, k:2 * k], tf.int32), bucket.size))
         return split_dense(bucket, summed), summed_carry
 
@@ -108,10 +101,15 @@ def _gather(context, buffer, carry):
     if carry is None:
         return rows, None
     width = tf.size(buffer)
-    summed_carry = rows[0, width:]
-    for replica in range(1, replicas):
-        summed_carry = summed_carry + rows[replica, width:]
-    return rows[:, :width], summed_carry
+    return rows[:, :width], _sum_in_replica_order(rows[:, width:])
+
+
+def _sum_in_replica_order(rows):
+    """The rows ([replicas, m]) summed one after another: bitwise the same on every replica."""
+    summed = rows[0]
+    for replica in range(1, rows.shape[0]):
+        summed = summed + rows[replica]
+    return summed
 
 
 def _scatter_in_replica_order(rows_values, rows_indices, size):
