@@ -150,6 +150,18 @@ def test_calibration_runs_are_read_against_the_configured_rate():
         e2e.summarize_calibrations("calibrate:3", workers, 30.0, 100e6)
 
 
+def test_bad_calibration_counts_are_refused_by_name(capsys):
+    from tf_topk.bench.e2e_worker import parse_config
+
+    assert parse_config("calibrate:10") == ("calibrate", 10, None)
+    for text in ("calibrate:0", "calibrate:-1", "calibrate:x"):
+        with pytest.raises(ValueError, match="'calibrate:<runs>'"):
+            parse_config(text)
+    with pytest.raises(SystemExit):
+        e2e.main(["--calibrations", "-1", "--no-netns", "--bandwidth", "none"])
+    assert "--calibrations must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_calibrations_measure_the_link_again_and_again_and_leave_nothing():
     """`--calibrations 2`: no training, the autopilot's measurement twice on two workers (in
     namespaces at 1 Gbit/s where root allows), every worker fitting the same links each time."""

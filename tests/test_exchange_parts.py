@@ -313,3 +313,12 @@ def test_the_exchange_asks_its_step_density_for_k_and_what_to_gather():
     assert chosen in [pytest.approx(c) for c in adaptive.step_density.rule.candidates(5000)]
     names = [v.name for v in adaptive.variables]  # what a checkpoint of the exchange holds
     assert names and not any("adaptive_density" in name for name in names), names
+
+
+def test_all_gather_or_dense_refuses_sparse_output():
+    """A dense step returns every entry: the switch of the warm-up has no sparse output to give."""
+    from tf_topk.routes import AllGatherOrDenseRoute
+
+    route = AllGatherOrDenseRoute(tf.constant(False))
+    with pytest.raises(ValueError, match="sparse_output must be False"):
+        route.send(tf.distribute.get_replica_context(), None, tf.ones([2]), tf.constant([0, 1]), [2], None, True)
