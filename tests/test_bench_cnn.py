@@ -1,4 +1,4 @@
-"""The CNN diagnosis and the k-floor trial (benchmarks/cnn_diagnosis.py, benchmarks/k_floor_trial.py)."""
+"""The CNN diagnosis and the trials (benchmarks/cnn_diagnosis.py, k_floor_trial.py, dense_warmup_trial.py)."""
 
 import json
 import math
@@ -50,3 +50,25 @@ def test_k_floor_trial_names_a_bad_floor():
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "0"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--floor must be >= 1, got 0" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_dense_warmup_trial_sends_every_entry_then_the_density():
+    """The trial's warm-up in place of DGC's: density 1 for its share of the warm-up's steps, then the final."""
+    import dense_warmup_trial
+    from tf_topk import schedule
+
+    original = schedule.dgc_warmup
+    try:
+        dense_warmup_trial.install_dense_warmup(0.25)
+        assert schedule.dgc_warmup(94, epochs=4, final=0.001) == [(0, 1.0), (94, 0.001)]
+        assert schedule.DensitySchedule(schedule.dgc_warmup(94, epochs=4, final=0.001)).max_density() == 1.0
+    finally:
+        schedule.dgc_warmup = original
+
+
+def test_dense_warmup_trial_names_a_bad_fraction():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "dense_warmup_trial.py"),
+                           "--warmup-fraction", "1.5"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "--warmup-fraction must be in (0, 1], got 1.5" in proc.stderr, proc.stderr[-2000:]

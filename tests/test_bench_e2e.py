@@ -134,6 +134,7 @@ def test_summary_and_ratios():
 def test_calibration_runs_are_read_against_the_configured_rate():
     def run(all_reduce_mbit, all_gather_mbit):
         return {"seconds": 2.0, "dense_s": 0.5, "dense_predicted_s": 0.4, "refit_from_s": None, "line": "",
+                "phases": {"all_reduce": 0.6, "all_gather": all_gather_mbit / 100, "compute": 0.3},
                 "all_reduce_latency_s": 1e-3, "all_gather_latency_s": 2e-3,
                 "all_reduce_bytes_per_s": all_reduce_mbit * 1e6 / 8, "all_gather_bytes_per_s": all_gather_mbit * 1e6 / 8}
 
@@ -144,6 +145,8 @@ def test_calibration_runs_are_read_against_the_configured_rate():
     assert [r["all_reduce_rate_share"] for r in row["calibrations"]] == [0.95, 1.0, 0.01]
     table = e2e.format_calibrations({"workers": 2, "bandwidth": "100mbit", "model": "wide", "params": 10}, row)
     assert "1 of 3 runs fitted both rates within 30% of the configured 100mbit" in table
+    assert row["phases_median"] == {"all_reduce": 0.6, "all_gather": 0.8, "compute": 0.3}
+    assert "median seconds per phase (worker 0): all_reduce 0.60, all_gather 0.80, compute 0.30" in table
     assert e2e.summarize_calibrations("calibrate:3", workers, 30.0, None)["within_tolerance"] is None
     workers[1]["calibrations"][2]["all_gather_bytes_per_s"] *= 2  # every worker must have fitted the same lines
     with pytest.raises(RuntimeError, match="worker 1 fitted other links than worker 0"):

@@ -154,12 +154,12 @@ class Plan:
     def get_config(self):
         """What a saved optimizer keeps of a measured plan (JSON-ready): the
         cost model every worker agreed on and the calibration's timed steps,
-        without its points (one worker's). `Plan.from_config` makes the same
+        without its points and phases (one worker's). `Plan.from_config` makes the same
         plan again, and so the same decisions, without measuring."""
         if self.calibration is None:
             raise ValueError("only a measured plan is saved (this one assumed its link)")
         calibration = {field.name: getattr(self.calibration, field.name)
-                       for field in dataclasses.fields(self.calibration) if field.name != "points"}
+                       for field in dataclasses.fields(self.calibration) if field.name not in ("points", "phases")}
         calibration["model"] = dataclasses.asdict(calibration["model"])
         return _plain({"model": dataclasses.asdict(self.model), "calibration": calibration, "entries": self.entries,
                        "small_entries": self.small_entries})

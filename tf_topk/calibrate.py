@@ -18,8 +18,9 @@ Every worker measures; the slowest decides: the numbers travel in one small
 all_gather (their maximum), so every replica builds the same `tf_topk.cost.CostModel`
 and makes the same choices. That is the rule for every branch: it is decided on agreed
 values (the slowest worker's numbers and clock) or on inputs that are the same everywhere,
-never on one worker's own measurement, or the workers' collectives would not pair up. The work is bounded by `budget_s` (sizes grow
-geometrically and stop when the next would not fit).
+never on one worker's own measurement, or the workers' collectives would not pair up. The work
+is bounded by `budget_s` (sizes grow geometrically and stop when the next would not fit), and
+`Calibration.phases` says where its seconds went.
 
     >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()
     >>> found = tf_topk.calibrate.calibrate(strategy, entries=12_609_546)
@@ -27,6 +28,7 @@ geometrically and stop when the next would not fit).
     >>> found.model.choose(entries=12_609_546, k=12_610)    # the route predicted fastest
 """
 
+import contextlib
 import dataclasses
 import gc
 import math
@@ -82,7 +84,10 @@ class Calibration:
     pairs (None when not measured); seconds: the calibration's own wall time;
     refit_from_s: where the timed dense all-reduce contradicted the line
     (CONTRADICTED), what the line had predicted for it (the links were then
-    refit through the timed point), else None.
+    refit through the timed point), else None; phases: this worker's
+    seconds in each part ("all_reduce", "all_gather": their sizes;
+    "compute"; "agree"; "steps": the trial or the dense all-reduce;
+    "collect": freeing what it made), where `seconds` goes.
     """
 
     model: CostModel
@@ -97,6 +102,7 @@ class Calibration:
     sparse_max_s: float = None
     trial_max_k: int = None
     refit_from_s: float = None
+    phases: dict = None
 
     def trial(self):
         """(dense_s, sparse_s) where both steps were timed whole, else None."""
@@ -164,31 +170,66 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     if trial_max_density is not None and (trial_density is None or trial_max_density <= trial_density):
         raise ValueError(f"trial_max_density ({trial_max_density!r}) needs a trial_density below it, "
                          f"got {trial_density!r}")
-    strategy = strategy or tf.distribute.get_strategy()
+    start = time.perf_counter()
+    with _collected_on_return() as phases:
+        found = _calibrate(strategy or tf.distribute.get_strategy(), entries, budget_s, small_entries, trial_density,
+                           trial_max_density, profile_density, phases)
+    return dataclasses.replace(found, seconds=time.perf_counter() - start, phases=phases)
+
+
+@contextlib.contextmanager
+def _collected_on_return():
+    """The calibration's phases (a dict), its garbage collected on return.
+
+    Its traced functions sit in reference cycles, with the timed steps'
+    buffers (the model's gradient a few times over): freed when it returns,
+    not at a later collection while the model trains. What existed before
+    is frozen meanwhile (`gc.freeze`), so that collection looks at the
+    calibration's own objects only (a full one took 0.26-0.38 s in a worker
+    holding a model, a seventh of the budget)."""
+    phases = {}
+    freezes = gc.get_freeze_count() == 0  # someone else's freeze is left as it is
+    if freezes:
+        gc.freeze()
+    try:
+        yield phases
+    finally:
+        began = time.perf_counter()
+        gc.collect()
+        phases["collect"] = time.perf_counter() - began
+        if freezes:
+            gc.unfreeze()
+
+
+def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_max_density, profile_density, phases):
+    """`calibrate`'s work (its `seconds` set by the caller), each part's seconds into `phases`."""
     replicas = strategy.num_replicas_in_sync
     start = time.perf_counter()
     largest = entries or (1 << 22)
     points = {}
+
+    def timed(phase, function, *args):
+        began = time.perf_counter()
+        result = function(*args)
+        phases[phase] = time.perf_counter() - began
+        return result
+
     for kind in ("all_reduce", "all_gather"):
-        points[kind] = _time_collective(strategy, kind, largest, budget_s / 3) if replicas > 1 else []
-    selection, rounding, pair = _time_compute(SELECTION_ENTRIES, entries or SELECTION_ENTRIES)
+        points[kind] = timed(kind, _time_collective, strategy, kind, largest, budget_s / 3) if replicas > 1 else []
+    selection, rounding, pair = timed("compute", _time_compute, SELECTION_ENTRIES, entries or SELECTION_ENTRIES)
     # The time spent so far travels with the numbers: every later branch is decided on the slowest
     # worker's clock, the same everywhere (a worker that arrived first and waited in the first
     # collective has a later clock of its own, and would skip a collective the others run).
     local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair,
              time.perf_counter() - start]
-    agreed = slowest(strategy, local)
+    agreed = timed("agree", slowest, strategy, local)
     model = CostModel(replicas, LinkModel(agreed[0], agreed[1]), LinkModel(agreed[2], agreed[3]), agreed[4],
                       agreed[5], pair_s=agreed[6])
     if entries is None:
-        return Calibration(model, points, entries, None, None, time.perf_counter() - start)
-    found = _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
-                        budget_s, agreed[7])
-    # The timed steps' buffers (the model's gradient a few times over) sit in reference cycles of
-    # their traced functions: freed here, not at a later collection while the model trains.
-    gc.collect()
-    return dataclasses.replace(refit_where_contradicted(found, small_entries), points=points,
-                               seconds=time.perf_counter() - start)
+        return Calibration(model, points, entries, None, None, 0.0)
+    found = timed("steps", _time_steps, strategy, model, entries, small_entries, trial_density, trial_max_density,
+                  profile_density, budget_s, agreed[7])
+    return dataclasses.replace(refit_where_contradicted(found, small_entries), points=points)
 
 
 def refit_where_contradicted(found, small_entries=0):
@@ -249,10 +290,21 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
             steps.append(_sparse_step(strategy, inputs, k_max, depth(k_max / entries)))
         dense_s, sparse_s, *more = slowest(strategy, interleaved_medians(steps, TRIAL_REPEATS))
         sparse_max_s = more[0] if more else None
-    elif replicas > 1 and 3 * dense_predicted_s < budget_s - elapsed:
-        dense_s = slowest(strategy, [_median_call(dense_step, 2)])[0]
+    elif replicas > 1 and 2 * dense_predicted_s < budget_s - elapsed:
+        dense_s = _dense_all_reduce_within(strategy, dense_step, budget_s - elapsed)
     return Calibration(model, {}, entries, dense_s, dense_predicted_s, 0.0, sparse_s, sparse_predicted_s, k,
                        sparse_max_s, k_max if sparse_max_s is not None else None)
+
+
+def _dense_all_reduce_within(strategy, dense_step, left_s):
+    """Seconds of the dense all-reduce (the slowest worker's): one call, then
+    a second, kept, where twice the first's agreed time fits `left_s` (the
+    first warms it up; a line that predicts it 1.3x too fast would otherwise
+    overrun the budget by as much)."""
+    first = slowest(strategy, [_seconds_of(dense_step)])[0]
+    if 2 * first > left_s:
+        return first
+    return slowest(strategy, [_seconds_of(dense_step)])[0]
 
 
 def _line(points):
@@ -301,6 +353,13 @@ def _of_size(function, size):
     """`function` called on a buffer of `size` entries."""
     buffer = tf.ones([size], tf.float32)
     return lambda: function(buffer)
+
+
+def _seconds_of(function):
+    """Seconds of one call."""
+    begin = time.perf_counter()
+    _block(function())
+    return time.perf_counter() - begin
 
 
 def _median_call(function, repeats):
@@ -372,7 +431,8 @@ def _time_collective(strategy, kind, largest, budget_s):
     they were still far below what a step sends, where the slope misreads a
     rate-limited link (a token bucket's burst, TCP's slow start) by 1.5x and
     more. Every worker must time the same sizes (the collectives pair up), so
-    the decision to go on is itself agreed: the slowest worker's prediction."""
+    the decision to go on is itself agreed: the line through the slowest
+    worker's time at each size."""
     replicas = strategy.num_replicas_in_sync
 
     def sent(size):
@@ -388,8 +448,11 @@ def _time_collective(strategy, kind, largest, budget_s):
         if following == size:
             break
         if len(points) >= 2:
-            call = max(LinkModel.fit(points).time(sent(following)), seconds)
-            spent_everywhere, call = slowest(strategy, [spent, call])
+            # The line through the slowest worker's time at each size: the largest of each worker's own
+            # line's prediction would be the noisiest of them (8 workers: one line with a steep slope through
+            # two latency-bound sizes stopped the all-reduce's sizes there, 0.3 s into its 0.67).
+            spent_everywhere, *times = slowest(strategy, [spent] + [t for _, t in points])
+            call = max(LinkModel.fit([(b, t) for (b, _), t in zip(points, times)]).time(sent(following)), times[-1])
             left = budget_s - spent_everywhere
             if left < (MIN_REPEATS + 1) * call:
                 break
@@ -438,28 +501,45 @@ def _time_compute(size, bucket):
     """Seconds per entry, on this worker, of the fused error-feedback
     selection and of the 16-bit route's rounding (with its residual), both
     on `size` entries, and per pair of densifying pairs (a scatter into a
-    bucket of `bucket` entries)."""
+    bucket of `bucket` entries). The functions are traced once per process
+    (their inputs are arguments): a calibration pays for timing them, not
+    for tracing them again."""
     rng = np.random.default_rng(0)
     gradient = tf.constant(rng.standard_normal(size).astype(np.float32))
     residual = tf.zeros([size], tf.float32)
-    k = max(1, int(SELECTION_DENSITY * size))
-    select = tf.function(lambda: ops.error_feedback_topk(gradient, residual, k).remaining[:1])
-
-    @tf.function
-    def round_to_bfloat16():
-        accumulated = gradient + residual
-        rounded = tf.cast(accumulated, tf.bfloat16)
-        return (accumulated - tf.cast(rounded, tf.float32))[:1], rounded[:1]
-
     pairs = max(MIN_TIMED_PAIRS, int(SELECTION_DENSITY * bucket))
     target = tf.zeros([bucket], tf.float32)
     indices = tf.constant(rng.integers(0, bucket, (pairs, 1)).astype(np.int32))
     values = tf.constant(rng.standard_normal(pairs).astype(np.float32))
-    densify = tf.function(lambda: tf.tensor_scatter_nd_add(target, indices, values)[:1])
     # A scatter of few pairs still writes the bucket: what it adds per pair is its time minus that of no pairs.
-    empty = tf.function(lambda: tf.tensor_scatter_nd_add(target, indices[:0], values[:0])[:1])
-    per_pair = max(median_difference(densify, empty, REPEATS), 0.0) / pairs
-    return _median_call(select, REPEATS) / size, _median_call(round_to_bfloat16, REPEATS) / size, per_pair
+    per_pair = max(median_difference(lambda: _densify(target, indices, values),
+                                     lambda: _densify(target, indices[:0], values[:0]), MIN_REPEATS), 0.0) / pairs
+    # The selection is traced anew each time: a kernel kept with its function would keep its
+    # scratch buffer of `size` entries after the calibration.
+    select = tf.function(_select)
+    return (_median_call(lambda: select(gradient, residual), REPEATS) / size,
+            _median_call(lambda: _round_to_bfloat16(gradient, residual), REPEATS) / size, per_pair)
+
+
+def _select(gradient, residual):
+    """The fused selection of SELECTION_DENSITY of `gradient`'s entries."""
+    k = tf.maximum(1, tf.cast(SELECTION_DENSITY * tf.cast(tf.size(gradient), tf.float64), tf.int32))
+    return ops.error_feedback_topk(gradient, residual, k).remaining[:1]
+
+
+@tf.function(input_signature=[tf.TensorSpec([None], tf.float32)] * 2)
+def _round_to_bfloat16(gradient, residual):
+    """The 16-bit route's rounding, with its rounding error kept."""
+    accumulated = gradient + residual
+    rounded = tf.cast(accumulated, tf.bfloat16)
+    return (accumulated - tf.cast(rounded, tf.float32))[:1], rounded[:1]
+
+
+@tf.function(input_signature=[tf.TensorSpec([None], tf.float32), tf.TensorSpec([None, 1], tf.int32),
+                              tf.TensorSpec([None], tf.float32)])
+def _densify(target, indices, values):
+    """Pairs added into a bucket, as a route densifies them."""
+    return tf.tensor_scatter_nd_add(target, indices, values)[:1]
 
 
 def slowest(strategy, values):

@@ -47,4 +47,4 @@ with open(os.path.join(out_dir, f"calibration{task}.json"), "w") as f:
                "dense_predicted_s": found.dense_predicted_s, "seconds": found.seconds,
                "sparse_s": found.sparse_s, "sparse_predicted_s": found.sparse_predicted_s, "trial_k": found.trial_k,
                "sparse_max_s": found.sparse_max_s, "trial_max_k": found.trial_max_k,
-               "line": found.describe(), "gathers_in_one_collective": gathers_in_one_collective(strategy)}, f)
+               "phases": found.phases, "line": found.describe(), "gathers_in_one_collective": gathers_in_one_collective(strategy)}, f)

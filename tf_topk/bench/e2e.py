@@ -180,6 +180,8 @@ def summarize_calibrations(config, workers_results, duration_s, rate_bits):
                                  for pair in shares)),
         "seconds_median": round(statistics.median(r["seconds"] for r in runs), 2),
         "seconds_max": round(max(r["seconds"] for r in runs), 2),
+        "phases_median": {phase: round(statistics.median(r["phases"][phase] for r in runs), 3)
+                          for phase in runs[0].get("phases") or {}},
         "duration_s": round(duration_s, 1),
     }
 
@@ -201,6 +203,9 @@ def format_calibrations(result, row):
     for i, run in enumerate(row["calibrations"]):
         lines.append(f"{i + 1:>4} {run['seconds']:>8.2f} {link(run, 'all_reduce'):>22} {link(run, 'all_gather'):>22} "
                      f"{ms(run['dense_s']):>9} {ms(run['dense_predicted_s']):>10}")
+    if row.get("phases_median"):
+        lines.append("median seconds per phase (worker 0): " +
+                     ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in row["phases_median"].items()))
     if row["within_tolerance"] is not None:
         lines.append(f"{row['within_tolerance']} of {row['runs']} runs fitted both rates within "
                      f"{RATE_TOLERANCE:.0%} of the configured {result['bandwidth']}")

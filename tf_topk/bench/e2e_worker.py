@@ -296,7 +296,7 @@ def autopilot_facts(optimizer):
 def calibrations(tf_topk, strategy, model, runs):
     """The autopilot's measurement for `model`'s sizes, `runs` times: per run
     its seconds and each collective's fitted link (every worker agreed on
-    it), this worker's timed points, the timed dense all-reduce and what the
+    it), this worker's timed points and seconds per phase, the timed dense all-reduce and what the
     line predicted for it."""
     from tf_topk.config import DEFAULT_MIN_SIZE
 
@@ -310,7 +310,7 @@ def calibrations(tf_topk, strategy, model, runs):
         found.append({"seconds": calibration.seconds, "dense_s": calibration.dense_s,
                       "dense_predicted_s": calibration.dense_predicted_s,
                       "refit_from_s": calibration.refit_from_s, "line": calibration.describe(),
-                      "points": calibration.points,
+                      "points": calibration.points, "phases": calibration.phases,
                       **{f"{kind}_latency_s": line.latency_s for kind, line in link.items()},
                       **{f"{kind}_bytes_per_s": (1.0 / line.seconds_per_byte if line.seconds_per_byte else None)
                          for kind, line in link.items()}})
