@@ -13,7 +13,6 @@ fifth of its steps, then the median over runs and each ratio to dense.
 import argparse
 import os
 import statistics
-import time
 
 CONFIGURATIONS = ("keras dense", "wrapper, every entry dense", "wrapper, density 0.01")
 
@@ -22,17 +21,6 @@ def median_step_ms(configuration, strategy, data, epochs):
     import keras
 
     import tf_topk
-
-    class StepTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.seconds = []
-
-        def on_train_batch_begin(self, batch, logs=None):
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, batch, logs=None):
-            self.seconds.append(time.perf_counter() - self.start)
 
     x, y = data
     keras.utils.set_random_seed(0)
@@ -45,9 +33,9 @@ def median_step_ms(configuration, strategy, data, epochs):
                      "wrapper, density 0.01": lambda: tf_topk.TopKOptimizer(inner, density=0.01)}[configuration]()
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       jit_compile=False)
-    timer = StepTimer()
+    timer = tf_topk.keras.StepTimer()
     model.fit(x, y, batch_size=32, epochs=epochs, verbose=0, callbacks=[timer])
-    return 1e3 * statistics.median(timer.seconds[len(timer.seconds) // 5:])
+    return 1e3 * statistics.median(timer.times[len(timer.times) // 5:])
 
 
 def main(argv=None):

@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 
 def parse_args(argv=None):
@@ -73,26 +72,6 @@ def parse_args(argv=None):
     if args.logical_cpus and "TF_CONFIG" in os.environ:
         parser.error("--logical-cpus is for single-process runs; under the launcher each worker has one replica")
     return args
-
-
-class StepTimer:
-    """Wall time of each training batch (a Keras callback, built lazily)."""
-
-    def __new__(cls):
-        import keras
-
-        class _StepTimer(keras.callbacks.Callback):
-            def __init__(self):
-                super().__init__()
-                self.times = []
-
-            def on_train_batch_begin(self, batch, logs=None):
-                self._start = time.perf_counter()
-
-            def on_train_batch_end(self, batch, logs=None):
-                self.times.append(time.perf_counter() - self._start)
-
-        return _StepTimer()
 
 
 def main(argv=None):
@@ -148,7 +127,7 @@ def main(argv=None):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"],
                       jit_compile=False)  # the selection op has no XLA kernel (Keras's default on a GPU)
-    timer = StepTimer()
+    timer = tf_topk.keras.StepTimer()
     callbacks = [timer] if args.dense else [timer, tf_topk.keras.CompressionStats()]
     backup = tf_topk.keras.BackupAndRestore(args.backup_dir) if args.backup_dir else None
     if backup is not None:

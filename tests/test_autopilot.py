@@ -325,7 +325,7 @@ def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_load
         assert fit["stats"]["exchange_mode"] in (0.0, 3.0) and fit["stats"]["density"] > 0.5
     else:
         assert fit["router"] == "TimedRouter" and ", adaptive density 0.0001 to " in proc.stderr
-        assert fit["stats"]["density"] <= 0.1
+        assert fit["stats"]["density"] <= 0.1 * 1.001  # MAX_DENSITY, each variable's k rounded up (0.10004)
     assert fit["loss"][-1] < fit["loss"][0]
     load = _run([sys.executable, "-c", "import sys, keras, tf_topk; m = keras.models.load_model(sys.argv[1]); "
                  "o = m.optimizer; print(type(o).__name__, o.density, o.exchange_config.schedule.autopilot)",

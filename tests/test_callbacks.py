@@ -1,6 +1,7 @@
 """CompressionStats: compression statistics in the epoch logs and as TensorBoard scalars."""
 
 import math
+import time
 
 import keras
 import numpy as np
@@ -10,7 +11,7 @@ from sklearn.datasets import load_digits
 
 import tf_topk
 from tf_topk.exchange import STAT_NAMES
-from tf_topk.keras import CompressionStats
+from tf_topk.keras import CompressionStats, StepTimer
 
 STEPS_PER_EPOCH, EPOCHS = 4, 3
 
@@ -50,6 +51,24 @@ def test_logs_and_tensorboard_scalars(tmp_path):
     densities = np.array([value for _, value in scalars["topk/density"]])
     np.testing.assert_allclose(densities, k / d, rtol=1e-6)
     assert all(0 < value < 1 - k / d for _, value in scalars["topk/contraction"])
+
+
+def test_step_timer_times_every_training_batch_and_nothing_else():
+    """One wall time per training batch (evaluation batches are not steps), each the batch's own."""
+    timer = StepTimer()
+
+    class Slow(keras.callbacks.Callback):  # runs inside each batch's window, after the timer's begin
+        def on_train_batch_begin(self, batch, logs=None):
+            time.sleep(0.02)
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x[:256] / 16.0).astype("float32"), y[:256].astype("int32")
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+    model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=64, epochs=2, verbose=0, validation_data=(x, y), callbacks=[timer, Slow()])
+    assert len(timer.times) == 2 * 4
+    assert all(seconds >= 0.02 for seconds in timer.times)
 
 
 def test_needs_a_topk_optimizer():

@@ -200,7 +200,7 @@ def _plain(value):
         return {key: _plain(item) for key, item in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    return int(value) if float(value).is_integer() and "int" in type(value).__name__ else float(value)
+    return value.item()  # a numpy scalar: its Python number
 
 
 def _cost_model(fields):

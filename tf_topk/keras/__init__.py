@@ -11,8 +11,8 @@ MultiWorkerMirroredStrategy needs `tf_topk.keras.apply_mwms_fix()` first.
 
 from tf_topk.keras.mwms_fix import apply_mwms_fix, is_mwms_fix_applied
 from tf_topk.keras.optimizer import TopKOptimizer, disable_dense_all_reduce
-from tf_topk.keras.callbacks import CompressionStats
+from tf_topk.keras.callbacks import CompressionStats, StepTimer
 from tf_topk.keras.backup import BackupAndRestore
 
-__all__ = ["BackupAndRestore", "CompressionStats", "TopKOptimizer", "apply_mwms_fix", "disable_dense_all_reduce",
-           "is_mwms_fix_applied"]
+__all__ = ["BackupAndRestore", "CompressionStats", "StepTimer", "TopKOptimizer", "apply_mwms_fix",
+           "disable_dense_all_reduce", "is_mwms_fix_applied"]

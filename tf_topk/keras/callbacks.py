@@ -1,10 +1,13 @@
-"""CompressionStats: the exchange's statistics as Keras logs and TensorBoard scalars."""
+"""Keras callbacks: the exchange's statistics as logs and TensorBoard scalars
+(`CompressionStats`), and the wall time of each training step (`StepTimer`)."""
+
+import time
 
 import keras
 
 from tf_topk.adapter import CompressionStatsLogic, find_topk_optimizer
 
-__all__ = ["CompressionStats", "find_topk_optimizer"]
+__all__ = ["CompressionStats", "StepTimer", "find_topk_optimizer"]
 
 
 class CompressionStats(CompressionStatsLogic, keras.callbacks.Callback):
@@ -25,3 +28,26 @@ class CompressionStats(CompressionStatsLogic, keras.callbacks.Callback):
     def __init__(self, log_dir=None, update_freq=50):
         super().__init__()
         self._init_stats(log_dir, update_freq)
+
+
+class StepTimer(keras.callbacks.Callback):
+    """The wall time of each training batch, in seconds (`times`), as the demo
+    and the benchmarks report a step: from the batch's begin to its end on
+    this worker, the exchange included.
+
+    Example:
+      >>> timer = tf_topk.keras.StepTimer()
+      >>> model.fit(x, y, callbacks=[timer])
+      >>> statistics.median(timer.times[len(timer.times) // 5:])   # after the first steps' traces
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.times = []
+        self._start = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.times.append(time.perf_counter() - self._start)
