@@ -393,23 +393,14 @@ def _interleaved_times(functions, repeats):
     times = [[] for _ in functions]
     for _ in range(repeats):
         for function, seconds in zip(functions, times):
-            begin = time.perf_counter()
-            _block(function())
-            seconds.append(time.perf_counter() - begin)
+            seconds.append(_seconds_of(function))
     return times
 
 
 def _timed_calls(function, repeats):
     """(median seconds of `repeats` calls, seconds of the first call, which traces)."""
-    began = time.perf_counter()
-    _block(function())
-    first = time.perf_counter() - began
-    times = []
-    for _ in range(repeats):
-        begin = time.perf_counter()
-        _block(function())
-        times.append(time.perf_counter() - begin)
-    return statistics.median(times), first
+    first = _seconds_of(function)
+    return statistics.median([_seconds_of(function) for _ in range(repeats)]), first
 
 
 def _block(result):
