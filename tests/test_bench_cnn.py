@@ -72,3 +72,36 @@ def test_dense_warmup_trial_names_a_bad_fraction():
                            "--warmup-fraction", "1.5"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--warmup-fraction must be in (0, 1], got 1.5" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_global_topk_trial_ranks_by_plain_magnitude():
+    """--plain: one top-k of the bucket by magnitude alone, so a variable 1,000 times larger takes all of k
+    (the library's ranking, on each variable's own scale, splits it)."""
+    import global_topk_trial
+    import tensorflow as tf
+    from tf_topk import selector
+
+    a, b = tf.range(1.0, 101.0), 1000.0 * tf.range(1.0, 101.0)
+    exact = selector.TopKSelector("exact")
+    assert [int(tf.size(i)) for _, i in selector.select_over_bucket(exact, [a, b], 10)] == [5, 5]
+    original = selector._finite_rms
+    try:
+        global_topk_trial.install(plain=True)
+        assert [int(tf.size(i)) for _, i in selector.select_over_bucket(exact, [a, b], 10)] == [0, 10]
+    finally:
+        selector._finite_rms = original
+
+
+@pytest.mark.slow
+def test_global_topk_trial_prints_what_each_variable_sent():
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "global_topk_trial.py"), "--print-counts",
+                           "--dataset", "shapes", "--densities", "0.001", "--methods", "topk_ef", "--seeds", "1",
+                           "--epochs", "1", "--json"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(proc.stdout)["selection_scope"] == "bucket"
+    counts = [line.split("] [")[1].strip("]\n ").split() for line in proc.stderr.splitlines()
+              if line.startswith("counts")]
+    assert len(counts) == 94  # one line a step: 3,000 images in batches of 32
+    assert all(sum(map(int, c)) == 5 + 33 for c in counts)  # the bucket's k: ceil(0.001 n) of 4,608 and 32,768

@@ -111,7 +111,8 @@ def test_random_k_baseline_is_the_library_optimizer_with_only_the_selector_repla
 
     args = argparse.Namespace(optimizer="sgd", learning_rate=0.05, momentum=0.9, nesterov=False, method="exact",
                               min_size=2000, warmup_epochs=0, workers=4, exchange_mode="auto",
-                              agreement="nominated", agreed_slots=1, local_clipnorm=None, masking=False)
+                              agreement="nominated", agreed_slots=1, local_clipnorm=None, masking=False,
+                              selection_scope="variable")
     model = convergence.make_model(keras, 64, [HIDDEN], 10)
     topk = convergence.make_optimizer(keras, "topk_ef", 0.01, args, steps_per_epoch=10)
     randk = convergence.make_optimizer(keras, "randk_ef", 0.01, args, steps_per_epoch=10)
@@ -139,7 +140,7 @@ def test_adam_runs_error_feedback_without_and_topk_mc_with_adams_correction(opti
     args = argparse.Namespace(optimizer=optimizer, learning_rate=0.001, weight_decay=0.01, method="exact",
                               min_size=2000, warmup_epochs=0, workers=4, exchange_mode="auto",
                               agreement="nominated", agreed_slots=1, epochs=30, local_clipnorm=None,
-                              masking=False)
+                              masking=False, selection_scope="variable")
     plain = convergence.make_optimizer(keras, "topk_ef", 0.01, args, steps_per_epoch=45)
     corrected = convergence.make_optimizer(keras, "topk_mc", 0.01, args, steps_per_epoch=45)
     noef = convergence.make_optimizer(keras, "topk_noef", 0.01, args, steps_per_epoch=45)

@@ -123,7 +123,9 @@ class Reference:
       momentum correction: u = m*u + g; acc = residual + u
       Nesterov:            u = m*(u + g); acc = residual + u + g
     and the entries sent depend on the bucket's mode:
-      allgather: r's own top-k |acc| (k = ceil(density*n) in [1, n]);
+      allgather: r's own top-k |acc| (k = ceil(density*n) in [1, n]); with
+        selection_scope "bucket", r's top-K of the bucket's entries ranked
+        by |acc| / rms(acc of its variable), K the sum of the members' k;
       allreduce: the nominated indices: of each variable's k slots (2k
         under "auto"), slot j holds replica (j mod P)'s (j // P)-th largest
         non-zero |acc| (none if it has fewer), and every replica sends its
@@ -143,8 +145,8 @@ class Reference:
     same on every replica. A None gradient gives None and changes no state.
     """
 
-    def __init__(self, replicas, mode, memory, layout, density):
-        self.replicas, self.mode, self.density = replicas, mode, density
+    def __init__(self, replicas, mode, memory, layout, density, scope="variable"):
+        self.replicas, self.mode, self.density, self.scope = replicas, mode, density, scope
         self.momentum = MEMORIES[memory].get("momentum")
         self.nesterov = MEMORIES[memory].get("nesterov", False)
         self.masking = MEMORIES[memory].get("momentum_masking", False)
@@ -177,6 +179,22 @@ class Reference:
         u = m * u + g
         return u + self.residuals[r][v], u
 
+    def over_bucket(self, bucket, accumulations):
+        """taken[r][v]: what replica r sends of each member v with selection_scope
+        "bucket" (the bucket's K non-zero entries of largest |acc| / rms(acc))."""
+        taken = []
+        for r in range(self.replicas):
+            scores = []
+            for v in bucket:
+                acc = accumulations[v][r][0]
+                rms = np.sqrt(np.mean(np.square(acc)))
+                scores.append(acc / rms if rms > 0 else np.zeros_like(acc))
+            chosen = top_k_non_zero(np.concatenate(scores), sum(k_of(SIZES[v], self.density) for v in bucket))
+            offsets = np.cumsum([0] + [SIZES[v] for v in bucket])
+            taken.append({v: chosen[(chosen >= lo) & (chosen < hi)] - lo
+                          for v, lo, hi in zip(bucket, offsets[:-1], offsets[1:])})
+        return taken
+
     def step(self, grads, step):
         """The summed gradient of every variable (flat; None for a None
         gradient) and each bucket's mode; updates the state."""
@@ -185,8 +203,10 @@ class Reference:
         for bucket in self.buckets:
             mode = self.bucket_mode(bucket)
             modes.append(mode)
+            accumulations = {v: [self.accumulate(r, v, grads[r][v]) for r in range(self.replicas)] for v in bucket}
+            over_bucket = self.over_bucket(bucket, accumulations) if self.scope == "bucket" else None
             for v in bucket:
-                accumulated = [self.accumulate(r, v, grads[r][v]) for r in range(self.replicas)]
+                accumulated = accumulations[v]
                 k = k_of(SIZES[v], self.density)
                 agreed = nominated(accumulated, min(SIZES[v], AUTO_AGREED_SLOTS * k) if self.mode == "auto" else k)
                 total, magnitude = np.zeros(SIZES[v], np.float32), np.zeros(SIZES[v], np.float32)
@@ -194,7 +214,8 @@ class Reference:
                     if mode in ("dense", "dense_bf16"):
                         taken = np.arange(SIZES[v])
                     else:
-                        taken = agreed if mode == "allreduce" else top_k_non_zero(acc, k)
+                        taken = agreed if mode == "allreduce" else \
+                            over_bucket[r][v] if over_bucket else top_k_non_zero(acc, k)
                     mask = np.zeros(SIZES[v], bool)
                     mask[taken] = True
                     sent = np.where(mask, to_bfloat16(acc) if mode == "dense_bf16" else acc, np.float32(0))
@@ -224,11 +245,13 @@ def cells():
     """The matrix, one pytest.param per cell, named replicas-mode-output-memory-layout[-density]."""
     params = []
 
-    def add(replicas, mode, sparse_output, memory, layout, density=DENSITY):
+    def add(replicas, mode, sparse_output, memory, layout, density=DENSITY, scope="variable"):
         name = f"P{replicas}-{mode}-{'sparse' if sparse_output else 'dense'}-{memory}-{layout}"
         if density != DENSITY:
             name += f"-d{density}"
-        params.append(pytest.param(replicas, mode, sparse_output, memory, layout, density, id=name))
+        if scope != "variable":
+            name += f"-{scope}"
+        params.append(pytest.param(replicas, mode, sparse_output, memory, layout, density, scope, id=name))
 
     for replicas in REPLICA_COUNTS:
         # One replica: every mode takes the same local path, so one mode suffices.
@@ -253,6 +276,12 @@ def cells():
         for sparse_output in (False, True):
             add(replicas, "dense_bf16", sparse_output, "ef", "one_bucket")
         add(replicas, "dense_bf16", False, "nesterov", "per_variable")
+    # One selection over the bucket: all_gather, dense output, every memory;
+    # one variable per bucket is k per variable again.
+    for replicas in REPLICA_COUNTS:
+        for memory in MEMORIES:
+            add(replicas, "allgather", False, memory, "one_bucket", scope="bucket")
+        add(replicas, "allgather", False, "ef", "per_variable", scope="bucket")
     return params
 
 
@@ -347,8 +376,8 @@ def check_state(strategy, variables, expected, where):
                                        err_msg=f"{where}: replica {r} variable {v}")
 
 
-@pytest.mark.parametrize("replicas, mode, sparse_output, memory, layout, density", cells())
-def test_exchange_matches_numpy(strategies, replicas, mode, sparse_output, memory, layout, density):
+@pytest.mark.parametrize("replicas, mode, sparse_output, memory, layout, density, scope", cells())
+def test_exchange_matches_numpy(strategies, replicas, mode, sparse_output, memory, layout, density, scope):
     """Every step: each replica's results, bitwise the same on all, and its own
     state equal the reference; the mode statistic says which path was taken."""
     strategy = strategies[replicas]
@@ -356,9 +385,10 @@ def test_exchange_matches_numpy(strategies, replicas, mode, sparse_output, memor
         variables = [tf.Variable(tf.zeros(shape), name=f"v{v}") for v, (_, shape) in enumerate(VARIABLES)]
         exchange = tf_topk.SparseExchange(variables, density=density, method="exact", min_size=MIN_SIZE,
                                           exchange_mode=mode, sparse_output=sparse_output,
-                                          bucket_bytes=LAYOUTS[layout], **MEMORIES[memory])
+                                          bucket_bytes=LAYOUTS[layout], selection_scope=scope,
+                                          **MEMORIES[memory])
     assert exchange.sparse_positions == SPARSE
-    reference = Reference(replicas, mode, memory, layout, density)
+    reference = Reference(replicas, mode, memory, layout, density, scope)
     traced = []
     step = make_step(strategy, exchange, traced)
     local = strategy.experimental_local_results

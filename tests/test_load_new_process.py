@@ -81,6 +81,15 @@ def saved(tmp_path_factory):
     model.save(path / "keras3_adamw.keras")
     models["keras3_adamw"] = dict(keras="keras", path=str(path / "keras3_adamw.keras"), model=model)
 
+    # One selection over the bucket (selection_scope="bucket"): the option comes back with the model.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+    model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.25, min_size=100,
+                                                  exchange_mode="allgather", selection_scope="bucket"), loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(path / "keras3_bucket.keras")
+    models["keras3_bucket"] = dict(keras="keras", path=str(path / "keras3_bucket.keras"), model=model)
+
     tf_keras.utils.set_random_seed(0)
     model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16), tf_keras.layers.Dense(2)])
     model.compile(optimizer=tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.25,
@@ -126,6 +135,7 @@ def test_saved_models_load_in_a_new_process(saved, order, api):
         loaded = report["models"][name]
         assert loaded["type"] == entry["type"], name
         assert loaded["config"] == entry["config"], name
+        assert loaded["config"]["selection_scope"] == ("bucket" if name == "keras3_bucket" else "variable"), name
         np.testing.assert_allclose(np.array(loaded["predictions"]), entry["predictions"], rtol=1e-6, atol=1e-7)
         if name != "tf_keras_saved_model":  # a SavedModel's optimizer variables: restore_optimizer_variables
             np.testing.assert_array_equal(np.array(loaded["residuals"][0], np.float32), entry["residuals"][0])

@@ -319,6 +319,7 @@ class TopKWrapper:
     error_feedback = property(lambda self: self._exchange_config.error_feedback)
     local_clipnorm = property(lambda self: self._exchange_config.local_clipnorm)
     exchange_mode = property(lambda self: self._exchange_config.exchange_mode)
+    selection_scope = property(lambda self: self._exchange_config.selection_scope)
     momentum_correction = property(lambda self: self._exchange_config.momentum is not None)
     sparse_updates = property(lambda self: self._exchange_config.sparse_output)
 

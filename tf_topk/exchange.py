@@ -52,7 +52,7 @@ from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable, mem
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
 from tf_topk.routes import (MODE_CODES, AgreedIndexRoute, AgreedOrDenseRoute, AllGatherOrDenseRoute, AllGatherRoute,
                             Bucket, Router, all_reduce_dense, carries, ring_all_reduce_bytes, router_for, taken_out)
-from tf_topk.selector import Selector, TopKSelector
+from tf_topk.selector import Selector, TopKSelector, select_over_bucket
 from tf_topk.step_density import replica_counter, step_density_for
 from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401  public here too
 
@@ -99,7 +99,8 @@ class SparseExchange(tf.Module):
         and the density, or 0.001 where a router or exchange_mode fixes the
         route); its fields are documented there: density, method, min_size,
         exchange_mode, bucket_bytes, error_feedback, momentum (correction),
-        nesterov, momentum_masking, local_clipnorm, sparse_output, and Adam's
+        nesterov, momentum_masking, local_clipnorm, sparse_output,
+        selection_scope, and Adam's
         momentum correction (beta_2, epsilon, variance_warmup_steps; the
         exchange then needs `step=` and returns, for the sparsified variables,
         the direction to apply by `variable -= lr * direction`).
@@ -367,7 +368,30 @@ class SparseExchange(tf.Module):
             values, indices = self.selector.select(selection.remaining, k)
             return taken_out(selection, selection.remaining, values, indices)
 
+        if self.config.selection_scope == "bucket":
+            if isinstance(route, AgreedIndexRoute):
+                raise ValueError(f"selection_scope='bucket' cannot take the route {route!r}: agreed indices choose "
+                                 "k entries of every variable")
+            if len(bucket.ks) > 1:  # one variable's share is all of k
+                accumulate = self._over_bucket(bucket, accumulate)
         return compensations, route.select(bucket, accumulate, self.selector, context, leader)
+
+    def _over_bucket(self, bucket, accumulate):
+        """`accumulate` for selection_scope="bucket": every member summed
+        (k = 0), then one selection of the bucket's k over all of them
+        (`selector.select_over_bucket`), made before the route asks, outside
+        any branch it takes; a member asked for k entries gets its share."""
+        summed = [accumulate(i, 0) for i in range(len(bucket.ks))]
+        total = tf.add_n([tf.convert_to_tensor(k, tf.int32) for k in bucket.ks])
+        shares = select_over_bucket(self.selector, [s.remaining for s in summed], total)
+
+        def share(i, k):
+            if isinstance(k, int) and k == 0:
+                return summed[i]
+            values, indices = shares[i]
+            return taken_out(summed[i], summed[i].remaining, values, indices)
+
+        return share
 
     def _update_state(self, buckets, selections, all_finite, summed_votes):
         """The memory's update of every slot and the density's agreement on

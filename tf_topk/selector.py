@@ -68,3 +68,43 @@ class RandomKSelector(Selector):
 
     def __repr__(self):
         return "RandomKSelector()"
+
+
+
+
+def select_over_bucket(selector, accumulated, k):
+    """One selection of `k` entries over a bucket's variables (flat tensors
+    `accumulated`, their gradient plus residual), each entry ranked by its
+    magnitude over its variable's root mean square: a variable whose largest
+    entries stand out more gets more of k, whatever its scale (a layer with
+    small gradients is not starved for it). The values are the accumulated
+    ones. Returns (values, indices) per variable, indices into the variable;
+    how many each gets varies from step to step, and the counts sum to k (a
+    spare slot of the selector, value 0 at index 0, stays a spare slot of
+    the first variable).
+
+    >>> a, b = tf.constant([0.0, 5.0, 0.1]), tf.constant([100.0, 90.0, 1.0])
+    >>> [i.numpy().tolist() for _, i in select_over_bucket(TopKSelector("exact"), [a, b], 2)]
+    [[1], [0]]
+    """
+    scores = [tf.math.divide_no_nan(flat, _finite_rms(flat)) for flat in accumulated]
+    values, indices = selector.select(tf.concat(scores, 0), k)
+    order = tf.argsort(indices)
+    indices, taken = tf.gather(indices, order), tf.not_equal(tf.gather(values, order), 0)
+    sizes = [int(flat.shape[0]) for flat in accumulated]
+    bounds = tf.searchsorted(indices, tf.constant([sum(sizes[:i]) for i in range(len(sizes) + 1)], tf.int32),
+                             side="left")
+    counts = bounds[1:] - bounds[:-1]
+    selected = []
+    for flat, offset, piece, piece_taken in zip(accumulated, [sum(sizes[:i]) for i in range(len(sizes))],
+                                                tf.split(indices, counts, num=len(sizes)),
+                                                tf.split(taken, counts, num=len(sizes))):
+        local = tf.where(piece_taken, piece - offset, 0)
+        selected.append((tf.where(piece_taken, tf.gather(flat, local), tf.zeros([], flat.dtype)), local))
+    return selected
+
+
+def _finite_rms(flat):
+    """Root mean square of the finite entries (a non-finite entry is never sent)."""
+    finite = tf.where(tf.math.is_finite(flat), flat, tf.zeros_like(flat))
+    return tf.sqrt(tf.reduce_mean(tf.square(finite)))

@@ -151,7 +151,7 @@ def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries
     if method == "dense":
         return inner
     common = dict(method=args.method, min_size=args.min_size, exchange_mode=args.exchange_mode,
-                  local_clipnorm=args.local_clipnorm)
+                  local_clipnorm=args.local_clipnorm, selection_scope=args.selection_scope)
     if args.agreement != "nominated" or args.agreed_slots != 1:
         from tf_topk.routes import AgreedIndexRoute, FixedRouter
 
@@ -466,7 +466,8 @@ def run(args, log=None):
         "model": model_name(args, data[0].shape[1]), "params": params,
         "optimizer": optimizer_name(args),
         "selection_method": args.method, "min_size": args.min_size, "warmup_epochs": args.warmup_epochs,
-        "local_clipnorm": args.local_clipnorm, "momentum_masking": args.masking,
+        "local_clipnorm": args.local_clipnorm, "selection_scope": args.selection_scope,
+        "momentum_masking": args.masking,
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
         **budget,
         "replicas": args.replicas, "exchange_mode": args.exchange_mode, "agreement": args.agreement,
@@ -714,6 +715,9 @@ def main(argv=None):
                         help="tf_topk selection method")
     parser.add_argument("--local-clipnorm", type=float, default=None,
                         help="the sparse methods' local_clipnorm (DGC's local gradient clipping; default off)")
+    parser.add_argument("--selection-scope", choices=("variable", "bucket"), default="variable",
+                        help="the sparse methods' selection_scope: k per variable (default), or one selection "
+                             "over the bucket (needs --exchange-mode allgather)")
     parser.add_argument("--masking", action="store_true",
                         help="topk_mc with DGC's momentum factor masking (ExchangeConfig.momentum_masking=True; "
                              "default off)")
@@ -779,6 +783,8 @@ def main(argv=None):
         parser.error("--seeds, --epochs and --batch-size must be >= 1")
     if args.workers < 2:
         parser.error(f"--workers must be >= 2 (bytes are what a worker sends to the others), got {args.workers}")
+    if args.selection_scope == "bucket" and args.exchange_mode != "allgather":
+        parser.error(f"--selection-scope bucket needs --exchange-mode allgather, got {args.exchange_mode}")
     if args.agreement != "nominated" and args.exchange_mode != "allreduce":
         parser.error(f"--agreement {args.agreement} needs --exchange-mode allreduce, got {args.exchange_mode}")
     if args.agreed_slots != 1 and args.exchange_mode != "allreduce":

@@ -8,6 +8,8 @@ On one replica (no collective), for the kernels of a 12.6M-parameter MLP
              residual update, statistics, densification;
   exchange_sparse  the same with `sparse_output=True`: the summed pairs,
              not densified (what `TopKOptimizer(sparse_updates=True)` uses);
+  exchange_bucket  the exchange with `selection_scope="bucket"` (one
+             selection over the bucket, outside the fused op);
   selection  `tf_topk.approx_topk` alone on the same gradients;
   read_pass  one `tf.reduce_sum` over every gradient (the memory-bandwidth
              yardstick);
@@ -46,6 +48,8 @@ def measure(density, repeats=15, method="gaussian", seed=0):
     grads = [tf.constant(rng.standard_normal(shape).astype(np.float32) * 1e-3) for shape in SHAPES]
     exchange = tf_topk.SparseExchange(variables, density=density, method=method)
     sparse_exchange = tf_topk.SparseExchange(variables, density=density, method=method, sparse_output=True)
+    bucket_exchange = tf_topk.SparseExchange(variables, density=density, method=method, exchange_mode="allgather",
+                                             selection_scope="bucket")
     sparse = exchange.sparse_positions
     ks = [max(1, math.ceil(density * int(np.prod(SHAPES[p])))) for p in sparse]
     optimizer = keras.optimizers.SGD(1e-3)
@@ -55,6 +59,11 @@ def measure(density, repeats=15, method="gaussian", seed=0):
     def exchange_step():
         result = exchange(grads)
         return [tf.reduce_sum(g[:1]) for g in result.grads]  # a scalar each: no copy back to numpy
+
+    @tf.function
+    def exchange_bucket():
+        result = bucket_exchange(grads)
+        return [tf.reduce_sum(g[:1]) for g in result.grads]
 
     @tf.function
     def exchange_sparse():
@@ -90,6 +99,7 @@ def measure(density, repeats=15, method="gaussian", seed=0):
 
     timings = {label: median_seconds(block(fn), repeats, warmup=3)
                for label, fn in (("exchange", exchange_step), ("exchange_sparse", exchange_sparse),
+                                 ("exchange_bucket", exchange_bucket),
                                  ("selection", selection), ("read_pass", read_pass), ("sgd", sgd),
                                  ("sgd_sparse", sgd_sparse))}
     budget = timings["selection"] + 2 * timings["read_pass"]
@@ -99,6 +109,7 @@ def measure(density, repeats=15, method="gaussian", seed=0):
         **{f"{label}_s": round(seconds, 5) for label, seconds in timings.items()},
         "exchange_over_selection": round(timings["exchange"] / timings["selection"], 2),
         "exchange_over_read_pass": round(timings["exchange"] / timings["read_pass"], 2),
+        "bucket_over_exchange": round(timings["exchange_bucket"] / timings["exchange"], 2),
         "step_s": round(timings["exchange"] + timings["sgd"], 5),
         "step_sparse_s": round(timings["exchange_sparse"] + timings["sgd_sparse"], 5),
         "target_s": round(budget, 5),

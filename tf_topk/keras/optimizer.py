@@ -183,6 +183,19 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         (or with momentum_correction=True), weight decay, clipping or EMA
         (else a ValueError); the result is the same update as dense, up to
         the order of float additions.
+      selection_scope: "variable" (default: each sparsified variable sends
+        its own k) or "bucket": one selection of the same total over all of
+        a bucket's variables, each entry ranked by its magnitude over its
+        variable's root mean square (a global top-k, each layer on its own
+        scale). Measured on a small convolutional network at density 0.001
+        with plain error feedback and DGC's warm-up: level with dense where
+        k per variable lost 0.75 points (benchmarks/RESULTS.md). Needs
+        exchange_mode="allgather" and dense updates (else a ValueError):
+
+          >>> opt = tf_topk.TopKOptimizer(
+          ...     keras.optimizers.SGD(0.02, momentum=0.9),
+          ...     density=tf_topk.schedule.dgc_warmup(94, epochs=4, final=0.001),
+          ...     exchange_mode="allgather", selection_scope="bucket")
       config: a `tf_topk.ExchangeConfig` holding these options in one object
         (sparse_updates is its sparse_output), to share one set between
         optimizers and exchanges. The arguments above that are given replace
@@ -220,7 +233,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
     def __init__(self, inner_optimizer, density=FROM_CONFIG, method=FROM_CONFIG, min_size=FROM_CONFIG,
                  bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
                  local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
-                 variance_warmup_steps=FROM_CONFIG,
+                 variance_warmup_steps=FROM_CONFIG, selection_scope=FROM_CONFIG,
                  config=None, selector=None, memory=None, router=None, **kwargs):
         check_inner_optimizer(inner_optimizer, keras.optimizers.Optimizer, TopKOptimizer,
                               keras.mixed_precision.LossScaleOptimizer, "keras")
@@ -228,7 +241,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             inner_optimizer, keras.optimizers.SGD, (keras.optimizers.Adam, keras.optimizers.AdamW), "keras", config, density=density, method=method,
             min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
             momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
-            variance_warmup_steps=variance_warmup_steps,
+            variance_warmup_steps=variance_warmup_steps, selection_scope=selection_scope,
             sparse_updates=sparse_updates)
         parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "keras")
