@@ -19,7 +19,7 @@ import sys
 import time
 
 from tf_topk.bench.data import load_data
-from tf_topk.cli import density, positive_int
+from tf_topk.cli import DENSITY_WARMUP_HELP, density, density_warmup_steps, positive_int
 
 DATASETS = ("digits", "mnist", "cifar10")
 DEFAULT_LEARNING_RATES = {"sgd": 0.05, "adam": 1e-3}
@@ -36,6 +36,7 @@ def parse_args(argv=None):
                         help="default: 0.05 for sgd, 0.001 for adam")
     parser.add_argument("--density", type=density, default=0.01,
                         help="fraction of each large variable's gradient entries sent per step (default 0.01)")
+    parser.add_argument("--density-warmup-steps", type=density_warmup_steps, default="auto", help=DENSITY_WARMUP_HELP)
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian",
                         help="selection method of tf_topk.approx_topk (default gaussian)")
     parser.add_argument("--epochs", type=positive_int, default=5)
@@ -152,7 +153,8 @@ def build_training(strategy, args, features, classes):
         model = make_model(features, classes)
         optimizer = skip_keras_all_reduce(make_optimizer(args.optimizer, args.learning_rate))
         optimizer.build(model.trainable_variables)  # its slots are created here, in the scope
-        exchange = tf_topk.SparseExchange(model.trainable_variables, density=args.density, method=args.method)
+        exchange = tf_topk.SparseExchange(model.trainable_variables, density=args.density, method=args.method,
+                                          density_warmup_steps=args.density_warmup_steps)
     return model, optimizer, exchange
 
 

@@ -68,7 +68,9 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="tf_topk_demo_") as folder:
         rows = [("dense all-reduce", run("dense", args.workers, args.epochs, ["--dense"], folder)),
                 (f"TopK density {args.density}",
-                 run("topk", args.workers, args.epochs, ["--density", str(args.density)], folder)),
+                 # The density's own steps (a run's after its warm-up): what its step time is compared on.
+                 run("topk", args.workers, args.epochs, ["--density", str(args.density), "--density-warmup-steps", "0"],
+                     folder)),
                 ("autopilot (default)", run("autopilot", args.workers, args.epochs, ["--autopilot"], folder))]
     dense_bytes = rows[0][1]["bytes_per_step"]
     print()

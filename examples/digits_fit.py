@@ -25,10 +25,14 @@ import os
 import statistics
 import sys
 
+from tf_topk.cli import DENSITY_WARMUP_HELP, density_warmup_steps
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--density", type=float, default=0.01, help="fraction of entries sent per step")
+    parser.add_argument("--density-warmup-steps", type=density_warmup_steps, default="auto",
+                        help=DENSITY_WARMUP_HELP)
     parser.add_argument("--adaptive", action="store_true",
                         help="choose the density every step (tf_topk.schedule.AdaptiveDensity); --density is ignored")
     parser.add_argument("--autopilot", action="store_true",
@@ -120,9 +124,10 @@ def main(argv=None):
         if args.warmup_epochs and not (args.adaptive or args.autopilot):
             steps_per_epoch = -(-len(x_train) // args.batch_size)
             density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=args.density)
+        fixed = {} if density is not args.density else {"density_warmup_steps": args.density_warmup_steps}
         optimizer = inner if args.dense else tf_topk.TopKOptimizer(
             inner, density=density, method=args.method, momentum_correction=args.momentum_correction,
-            sparse_updates=args.sparse_updates)
+            sparse_updates=args.sparse_updates, **fixed)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"],

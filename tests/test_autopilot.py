@@ -244,11 +244,13 @@ def test_no_density_given_is_the_autopilot_where_it_can_choose_route_and_density
     for adam in (keras.optimizers.Adam(0.1), keras.optimizers.AdamW(0.1), tf_keras.optimizers.Adam(0.1)):
         wrapper = tf_topk.TopKOptimizer if isinstance(adam, keras.optimizers.Optimizer) else tf_topk.tf_keras.TopKOptimizer
         assert wrapper(adam).exchange_config.schedule.autopilot  # Adam's default is SGD's
-    # A density given keeps it.
-    assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01).exchange_config.schedule.constant == 0.01
+    # A density given keeps it (a low one after its warm-up, `tests/test_density_warmup.py`).
+    assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01).exchange_config.schedule.settled_density() \
+        == 0.01
+    assert tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.05).exchange_config.schedule.constant == 0.05
     # Where the autopilot cannot choose both, the fixed 0.001: a route given by exchange_mode or a router,
     # or Adam's momentum correction (asked for), whose frozen second moment takes one.
-    assert tf_topk.ExchangeConfig(exchange_mode="allreduce").schedule.constant == 0.001
+    assert tf_topk.ExchangeConfig(exchange_mode="allreduce").schedule.settled_density() == 0.001
     corrected = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.1), momentum_correction=True)
     assert corrected.exchange_config.schedule.constant == 0.001
     routed = tf_topk.SparseExchange([tf.Variable(tf.zeros([5000]))], router=FixedRouter(ROUTES["allgather"]))

@@ -36,7 +36,8 @@ def test_k_floor_trial_sends_at_least_the_floor_of_every_variable():
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "64",
                            "--dataset", "signals", "--densities", "0.001", "--methods", "topk_ef", "--seeds", "1",
-                           "--epochs", "1", "--json"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                           "--epochs", "1", "--density-warmup-steps", "0", "--json"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     row = json.loads(proc.stdout)["configs"][1]
@@ -97,7 +98,8 @@ def test_global_topk_trial_prints_what_each_variable_sent():
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "global_topk_trial.py"), "--print-counts",
                            "--dataset", "shapes", "--densities", "0.001", "--methods", "topk_ef", "--seeds", "1",
-                           "--epochs", "1", "--json"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                           "--epochs", "1", "--density-warmup-steps", "0", "--json"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads(proc.stdout)["selection_scope"] == "bucket"

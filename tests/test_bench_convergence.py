@@ -158,7 +158,7 @@ def test_tiny_run_json_and_plot(tmp_path, dataset):
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     argv = [sys.executable, "-m", "tf_topk.bench", "convergence", "--dataset", dataset, "--seeds", str(SEEDS),
             "--epochs", str(EPOCHS), "--densities", ",".join(map(str, DENSITIES)), "--hidden", str(HIDDEN),
-            "--json", "--plot", str(png)]
+            "--density-warmup-steps", "0", "--json", "--plot", str(png)]  # each density from the first step
     proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -216,7 +216,8 @@ def test_signals_1d_cnn_with_and_without_momentum_factor_masking():
 def test_adaptive_run_counts_bytes_per_worker_and_draws_bytes_to_accuracy(tmp_path):
     png = tmp_path / "bytes.png"
     proc = run_convergence("--seeds", "1", "--epochs", "2", "--densities", "0.1,0.01", "--methods", "topk_ef",
-                           "--hidden", str(HIDDEN), "--adaptive", "--workers", "4", "--json", "--bytes-plot", str(png))
+                           "--hidden", str(HIDDEN), "--adaptive", "--workers", "4", "--json", "--bytes-plot", str(png),
+                           "--density-warmup-steps", "0")
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     rows = {(r["method"], r["density"]): r for r in result["configs"]}
@@ -324,7 +325,7 @@ def test_time_to_accuracy_charges_each_step_its_predicted_exchange(tmp_path):
     of every parameter at 100 Mbit/s and 4 workers; top-k's its selection and pairs; the autopilot runs
     the plan for each stated link."""
     proc = run_convergence("--epochs", "2", "--seeds", "1", "--densities", "0.001", "--methods", "topk_ef",
-                           "--time-links", "100mbit,10gbit", "--autopilot", "--json",
+                           "--time-links", "100mbit,10gbit", "--autopilot", "--json", "--density-warmup-steps", "0",
                            "--time-plot", str(tmp_path / "time.png"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)

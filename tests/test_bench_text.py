@@ -130,7 +130,7 @@ def test_tiny_text_run_reports_validation_loss_per_byte(capsys):
     steps, every = 30, 10
     assert convergence.main(["--dataset", "text", "--model", "transformer", "--optimizer", "adamw",
                              "--steps", str(steps), "--eval-every", str(every), "--densities", "0.01",
-                             "--methods", "topk_ef", "--seeds", "1", "--json"]) == 0
+                             "--methods", "topk_ef", "--seeds", "1", "--density-warmup-steps", "0", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert (result["dataset"], result["steps"], result["eval_every"]) == ("text", steps, every)
     assert result["optimizer"] == "AdamW(learning_rate=0.001, weight_decay=0.01)"

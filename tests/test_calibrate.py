@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -255,6 +256,11 @@ def test_a_line_the_timed_dense_all_reduce_contradicts_is_refit_through_it():
     # Within CONTRADICTED either way, the line stands.
     close = dataclasses.replace(found, dense_s=found.dense_predicted_s / 2.5)
     assert refit_where_contradicted(close) is close
+    # A timed call faster than the line's latency (a tiny model on localhost) is half latency, half
+    # bytes: never a free link, which would read as 0 bytes a second.
+    quick = refit_where_contradicted(dataclasses.replace(found, dense_s=1e-3))
+    assert quick.model.all_reduce.latency_s == 0.5e-3 and quick.model.all_reduce.seconds_per_byte > 0
+    assert quick.dense_predicted_s == pytest.approx(1e-3) and quick.model.all_gather.seconds_per_byte > 0
 
 
 def test_small_variables_ride_in_the_routes_collective_except_bfloat16s():
@@ -276,6 +282,7 @@ def test_small_variables_ride_in_the_routes_collective_except_bfloat16s():
 # forced (CLOSE_CALL raised): the calibration's largest branch.
 MEMORY_SCRIPT = r"""
 import json
+import math
 import tensorflow as tf
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                            [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -311,3 +318,56 @@ def test_the_calibrations_memory_is_a_few_gradients_a_replica_and_none_is_kept()
     replicas = 2
     assert found["peak"] <= 7 * replicas * found["gradient_bytes"], found
     assert found["kept"] <= 0.01 * found["gradient_bytes"], found
+
+
+# Two logical CPUs, every collective run for real, but each size timed as the same 2 ms (a line with
+# no slope: what a tiny model's few latency-bound sizes gave in a fresh-clone CI run, which then read
+# as a free link), or as 2 ms plus a rate (a line with a slope).
+FLAT_SCRIPT = r"""
+import json, sys
+import tensorflow as tf
+tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                           [tf.config.LogicalDeviceConfiguration()] * 2)
+import tf_topk.calibrate as calibrate
+
+sizes = []
+def timed_calls(function, repeats):
+    function()
+    return 0.002 + (float(sys.argv[1]) * len(sizes)), 0.002
+
+original = calibrate._of_size
+def of_size(function, size):
+    sizes.append(size)
+    return original(function, size)
+
+calibrate._timed_calls, calibrate._of_size = timed_calls, of_size
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+found = calibrate.calibrate(strategy, entries=300, budget_s=30.0)
+print(json.dumps({"sizes": sizes, "points": found.points,
+                  "rates": [found.model.all_reduce.seconds_per_byte, found.model.all_gather.seconds_per_byte]}))
+"""
+
+
+@pytest.mark.parametrize("growth", [0.0, 0.001])
+def test_a_flat_line_is_timed_on_larger_sizes_then_never_read_as_a_free_link(growth):
+    """A model of 300 entries times sizes 256 and 300 only. Where each timed no slower than the
+    other, the line is timed again on sizes 8x larger up to FLAT_LINE_ENTRIES, and a line still flat
+    takes the slowest rate its largest call allows: never 0 seconds a byte (an unlimited link)."""
+    from tf_topk.calibrate import FLAT_LINE_ENTRIES, _line
+
+    env = {**os.environ, **worker_env()}
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-c", FLAT_SCRIPT, str(growth)], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kind in ("all_reduce", "all_gather"):
+        sent = [b for b, _ in found["points"][kind]]
+        if growth:  # a slope: the model's two sizes, nothing more
+            assert len(sent) == 2
+        else:  # 256, 300, then 2,400 ... up to FLAT_LINE_ENTRIES, every size sent more than the last
+            assert len(sent) == 2 + math.ceil(math.log(FLAT_LINE_ENTRIES / 300, 8))
+            assert sent[2:] == sorted(sent[2:]) and sent[-1] > sent[1]
+            latency, per_byte = _line(found["points"][kind])
+            assert per_byte == pytest.approx(0.002 / sent[-1])
+    assert all(rate > 0 for rate in found["rates"])

@@ -36,7 +36,7 @@ def read_scalars(log_dir):
 
 
 def test_logs_and_tensorboard_scalars(tmp_path):
-    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01)
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01, density_warmup_steps=0)
     history = fit(optimizer, CompressionStats(log_dir=str(tmp_path), update_freq=2))
     k, d = math.ceil(0.01 * 64 * 128), 64 * 128
     for name in STAT_NAMES:

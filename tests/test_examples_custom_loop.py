@@ -50,10 +50,11 @@ def check_ok(proc):
 
 @pytest.fixture(scope="module")
 def two_replicas(tmp_path_factory):
-    """One run with two replicas in one process; a NaN gradient on replica 0 at step 3."""
+    """One run with two replicas in one process; a NaN gradient on replica 0 at step 3; the density
+    (0.01) from the first step."""
     path = tmp_path_factory.mktemp("custom_loop") / "summary.json"
     proc = run_example("--logical-cpus", 2, "--check-replicas", "--epochs", 4, "--nan-at-step", 3,
-                       "--summary-json", path)
+                       "--density-warmup-steps", 0, "--summary-json", path)
     check_ok(proc)
     return proc.stdout, load_json(path)
 

@@ -201,7 +201,7 @@ def test_sparse_output_sums_to_the_dense_output_in_every_mode():
     rng = np.random.default_rng(0)
     variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
     for kwargs in (dict(), dict(bucket_bytes=8), dict(exchange_mode="allreduce"), dict(density=0.9)):
-        kwargs = dict(dict(density=DENSITY, min_size=MIN_SIZE), **kwargs)
+        kwargs = dict(dict(density=DENSITY, min_size=MIN_SIZE, density_warmup_steps=0), **kwargs)
         dense = tf_topk.SparseExchange(variables, **kwargs)
         sparse = tf_topk.SparseExchange(variables, sparse_output=True, **kwargs)
         for _ in range(2):
@@ -227,7 +227,8 @@ strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
 shapes = [(3000,), (50,)]
 with strategy.scope():
     variables = [tf.Variable(tf.zeros(s)) for s in shapes]
-    exchange = tf_topk.SparseExchange(variables, density=0.01, min_size=1000, sparse_output=sys.argv[1] == "1")
+    exchange = tf_topk.SparseExchange(variables, density=0.01, min_size=1000, sparse_output=sys.argv[1] == "1",
+                                      density_warmup_steps=0)
 
 @tf.function
 def step(grads):
@@ -282,6 +283,7 @@ grads[:, 9] = [0.5, 0.25, 0.125]
 for sparse_output in (False, True):
     with strategy.scope():
         exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros(2000))], density=0.001, min_size=1000,
+                                          density_warmup_steps=0,
                                           sparse_output=sparse_output, exchange_mode="allgather")
 
     @tf.function
@@ -299,7 +301,8 @@ for sparse_output in (False, True):
 for mode in ("allgather", "allreduce"):
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(3000, tf.float64)), tf.Variable(tf.zeros(50, tf.float64))]
-        exchange = tf_topk.SparseExchange(variables, density=0.01, min_size=1000, exchange_mode=mode)
+        exchange = tf_topk.SparseExchange(variables, density=0.01, min_size=1000, exchange_mode=mode,
+                                          density_warmup_steps=0)
 
     @tf.function
     def bytes_step():

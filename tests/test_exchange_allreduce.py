@@ -314,7 +314,7 @@ def test_one_replica_sends_nothing_and_keeps_the_residual():
     grad = tf.constant(np.random.default_rng(3).standard_normal(5000).astype(np.float32))
     for mode in ("allgather", "allreduce", "auto"):
         exchange = tf_topk.SparseExchange([variable], density=0.01, min_size=16, method="exact",
-                                          exchange_mode=mode)
+                                          exchange_mode=mode, density_warmup_steps=0)
         result = exchange([grad])
         sent = result.grads[0].numpy()
         assert np.count_nonzero(sent) == 50 and float(result.stats["bytes_sent"]) == 0.0

@@ -189,7 +189,7 @@ class DecayingMemory(ErrorFeedbackMemory):
 
 def test_a_new_selector_and_memory_plug_into_the_exchange():
     variable = tf.Variable(tf.zeros([5000]))
-    exchange = tf_topk.SparseExchange([variable], density=0.001, min_size=16,
+    exchange = tf_topk.SparseExchange([variable], density=0.001, min_size=16, density_warmup_steps=0,
                                       selector=LargestPositiveSelector(), memory=DecayingMemory())
     grad = np.linspace(-10.0, 5.0, 5000).astype(np.float32)  # the largest magnitudes are negative
     sent = exchange([tf.constant(grad)]).grads[0].numpy()
@@ -206,7 +206,7 @@ def test_random_k_exchange_sends_k_random_entries_with_error_feedback():
     n, density = 10_000, 0.01
     k = int(n * density)
     exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros([n]))], density=density, min_size=16,
-                                      selector=RandomKSelector())
+                                      selector=RandomKSelector(), density_warmup_steps=0)
     grad = tf.range(1, n + 1, dtype=tf.float32)
     tf.random.set_seed(0)
     result = exchange([grad])
@@ -251,7 +251,8 @@ def test_a_new_route_plugs_into_the_exchange(tmp_path):
         strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
         with strategy.scope():
             exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros(3000)), tf.Variable(tf.zeros(50))], density=0.001,
-                                              min_size=1000, method="exact", router=FixedRouter(LocalRoute()))
+                                              min_size=1000, method="exact", router=FixedRouter(LocalRoute()),
+                                              density_warmup_steps=0)
 
         def replica_fn():
             r = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)

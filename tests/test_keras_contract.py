@@ -141,7 +141,8 @@ def test_wrappers_are_numbered_as_keras_numbers_optimizers():
 def test_a_float64_variable_takes_a_float32_gradient_as_keras_casts_it():
     variables = [keras.Variable(np.ones(5000), dtype="float64"), keras.Variable(np.ones(10), dtype="float64")]
     grads = [tf.linspace(0.0, 1.0, 5000), tf.fill([10], 0.5)]  # float32
-    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01, min_size=1000, method="exact")
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01, min_size=1000, method="exact",
+                                      density_warmup_steps=0)
     optimizer.apply(grads, variables)
     assert variables[0].dtype == "float64"
     moved = np.flatnonzero(variables[0].numpy() != 1.0)

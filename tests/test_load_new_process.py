@@ -90,6 +90,15 @@ def saved(tmp_path_factory):
     model.save(path / "keras3_bucket.keras")
     models["keras3_bucket"] = dict(keras="keras", path=str(path / "keras3_bucket.keras"), model=model)
 
+    # A fixed low density saved in its warm-up: the option comes back, the warm-up goes on from the step.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+    model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.001, min_size=100,
+                                                  density_warmup_steps=40), loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(path / "keras3_warmup.keras")
+    models["keras3_warmup"] = dict(keras="keras", path=str(path / "keras3_warmup.keras"), model=model)
+
     tf_keras.utils.set_random_seed(0)
     model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16), tf_keras.layers.Dense(2)])
     model.compile(optimizer=tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.25,
@@ -136,6 +145,8 @@ def test_saved_models_load_in_a_new_process(saved, order, api):
         assert loaded["type"] == entry["type"], name
         assert loaded["config"] == entry["config"], name
         assert loaded["config"]["selection_scope"] == ("bucket" if name == "keras3_bucket" else "variable"), name
+        if name == "keras3_warmup":
+            assert (loaded["config"]["density"], loaded["config"]["density_warmup_steps"]) == (0.001, 40)
         np.testing.assert_allclose(np.array(loaded["predictions"]), entry["predictions"], rtol=1e-6, atol=1e-7)
         if name != "tf_keras_saved_model":  # a SavedModel's optimizer variables: restore_optimizer_variables
             np.testing.assert_array_equal(np.array(loaded["residuals"][0], np.float32), entry["residuals"][0])

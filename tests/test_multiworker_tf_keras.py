@@ -44,7 +44,9 @@ def assert_identical(weights):
 
 @pytest.fixture(scope="module")
 def two_workers_topk(tmp_path_factory):
-    return fit(tmp_path_factory.mktemp("tf_keras") / "topk", "--density", "0.01", "--epochs", EPOCHS)
+    # 0.01 after a 20-step warm-up (the default's, shortened): the last step's statistics are 0.01's.
+    return fit(tmp_path_factory.mktemp("tf_keras") / "topk", "--density", "0.01", "--density-warmup-steps", "20",
+               "--epochs", EPOCHS)
 
 
 def test_fit_reaches_dense_accuracy_with_identical_weights_on_both_workers(two_workers_topk, tmp_path):
@@ -68,7 +70,7 @@ def test_mirrored_strategy_on_two_logical_cpus_trains_as_two_workers(two_workers
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
     completed = subprocess.run([sys.executable, str(WORKERS_DIR / SCRIPT), "--out", str(out), "--density", "0.01",
-                                "--epochs", str(EPOCHS), "--logical-cpus", "2"],
+                                "--density-warmup-steps", "20", "--epochs", str(EPOCHS), "--logical-cpus", "2"],
                                env=env, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-3000:]
     mirrored, workers = load_json(out / "worker0.json"), two_workers_topk[0][0]
@@ -139,7 +141,8 @@ def test_worker_killed_mid_training_resumes_from_the_shared_backup(tmp_path):
 def test_mixed_precision_two_workers_train_with_identical_weights(tmp_path):
     """compile wraps TopKOptimizer in tf_keras's LossScaleOptimizer, which calls the exchange
     (aggregate_gradients) and skips on its sums, the same on every replica."""
-    reports, weights = fit(tmp_path / "mixed", "--mixed-precision", "--density", "0.01", "--epochs", "3")
+    reports, weights = fit(tmp_path / "mixed", "--mixed-precision", "--density", "0.01", "--density-warmup-steps", "20",
+                           "--epochs", "3")
     assert reports[0]["loss_scale_optimizer"] == "LossScaleOptimizerV3"
     assert reports[0]["test_accuracy"] > 0.8
     assert reports[0]["compression"]["bytes_sent"] < reports[0]["compression"]["bytes_dense"] / 5

@@ -122,7 +122,8 @@ def test_mixed_float16_two_workers_train_with_identical_weights(tmp_path):
     """compile wraps TopKOptimizer in LossScaleOptimizer; the exchange runs inside its branch."""
     out = tmp_path / "mixed"
     result = run_workers(2, [sys.executable, DIGITS_FIT, "--epochs", "3", "--verbose", "0", "--out", str(out),
-                             "--density", "0.01", "--mixed-precision"], env=worker_env(), timeout=240)
+                             "--density", "0.01", "--density-warmup-steps", "20", "--mixed-precision"],
+                       env=worker_env(), timeout=240)
     assert_ok(result)
     report = json.loads((out / "worker0.json").read_text())
     assert report["test_accuracy"] > 0.85

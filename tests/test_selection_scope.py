@@ -29,7 +29,7 @@ def test_a_variable_whose_largest_entries_stand_out_gets_more_of_k():
     for scope in ("variable", "bucket"):
         variables = [tf.Variable(tf.zeros(5000)), tf.Variable(tf.zeros(20000))]
         exchange = tf_topk.SparseExchange(variables, density=0.001, min_size=16, method="exact",
-                                          exchange_mode="allgather", selection_scope=scope)
+                                          exchange_mode="allgather", selection_scope=scope, density_warmup_steps=0)
         result = exchange([tf.constant(spiky), tf.constant(large)])
         sent[scope] = [g.numpy() for g in result.grads]
         for grad, residual, g in zip((spiky, large), exchange.residuals, sent[scope]):
@@ -98,7 +98,7 @@ class AgreedIndicesEverywhere(Router):
 def test_a_router_of_agreed_indices_is_refused_with_it():
     exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros(5000))], density=0.01, min_size=16,
                                       exchange_mode="allgather", selection_scope="bucket",
-                                      router=AgreedIndicesEverywhere())
+                                      router=AgreedIndicesEverywhere(), density_warmup_steps=0)
     with pytest.raises(ValueError, match="selection_scope='bucket' cannot take the route AgreedIndexRoute"):
         exchange([tf.ones(5000)])
 

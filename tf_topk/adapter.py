@@ -320,6 +320,7 @@ class TopKWrapper:
     local_clipnorm = property(lambda self: self._exchange_config.local_clipnorm)
     exchange_mode = property(lambda self: self._exchange_config.exchange_mode)
     selection_scope = property(lambda self: self._exchange_config.selection_scope)
+    density_warmup_steps = property(lambda self: self._exchange_config.density_warmup_steps)
     momentum_correction = property(lambda self: self._exchange_config.momentum is not None)
     sparse_updates = property(lambda self: self._exchange_config.sparse_output)
 

@@ -65,6 +65,10 @@ CLOSE_CALL = 3.0
 # factor (either way) is not used as it is: a slope from a few sizes with a TCP stall in them read
 # a 100 Mbit/s link as 1 Mbit/s and predicted 531.6 s for an all-reduce timed at 7.39 s.
 CONTRADICTED = 3.0
+# A line with no slope (every larger size timed no slower: latency and noise alone, as on a tiny
+# model's few sizes) says bytes are free. Larger sizes are timed, FACTOR times each, up to this
+# many entries while the budget allows; a line still flat takes the stated fallback (`_line`).
+FLAT_LINE_ENTRIES = 1 << 20
 # Rounds of the trial's steps, each step called once a round (the median is kept), after one
 # call of each that traces. The steps take turns, so a burst of load on the machine slows all.
 TRIAL_REPEATS = 5
@@ -235,7 +239,7 @@ def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_
 def refit_where_contradicted(found, small_entries=0):
     """`found`, or where the timed dense all-reduce and the line's prediction
     of it are more than CONTRADICTED times apart, `found` with the all-reduce
-    line through the timed point (its latency kept, at most the timed time)
+    line through the timed point (its latency kept, at most half the timed time)
     and the all_gather line's rate scaled alike (the same link carries both),
     the predictions made again and `refit_from_s` set. Every input is agreed
     (the slowest worker's), so every worker refits alike."""
@@ -245,8 +249,9 @@ def refit_where_contradicted(found, small_entries=0):
         return found
     model = found.model
     sent = model.bytes("dense", 0, found.entries) + ring_bytes(4.0 * small_entries, model.replicas)
-    latency = min(model.all_reduce.latency_s, found.dense_s)
-    per_byte = max(0.0, found.dense_s - latency) / sent
+    # At least half the timed call is its bytes': a call as fast as the line's latency is no free link.
+    latency = min(model.all_reduce.latency_s, found.dense_s / 2)
+    per_byte = (found.dense_s - latency) / sent
     old = model.all_reduce.seconds_per_byte
     gather_per_byte = model.all_gather.seconds_per_byte * (per_byte / old) if old > 0 else per_byte
     model = dataclasses.replace(model, all_reduce=LinkModel(latency, per_byte),
@@ -308,10 +313,17 @@ def _dense_all_reduce_within(strategy, dense_step, left_s):
 
 
 def _line(points):
-    """(latency, seconds per byte) through `points`; (0, 0) with none (one replica)."""
+    """(latency, seconds per byte) through `points`; (0, 0) with none (one replica).
+
+    The stated fallback for a line still flat after the larger sizes
+    (`FLAT_LINE_ENTRIES`): every second of the largest call counted as its
+    bytes' (the slowest rate those calls allow), never a free link."""
     if not points:
         return 0.0, 0.0
     link = LinkModel.fit(points)
+    if link.seconds_per_byte == 0.0:
+        sent, seconds = max(points)
+        return link.latency_s, (seconds / sent if sent > 0 else 0.0)
     return link.latency_s, link.seconds_per_byte
 
 
@@ -451,9 +463,22 @@ def _time_collective(strategy, kind, largest, budget_s):
             # burst ends), one of them untimed.
             repeats = max(MIN_REPEATS, min(REPEATS, int(left / (2.0 * call)) - 1))
         size = following
+    top = size
     if len(points) == 1:  # `largest` is the first size: a line needs two, the smallest halved
         size = size // 2 if size > 1 else FIRST_ENTRIES
         points.append((sent(size), _median_call(_of_size(collective, size), REPEATS)))
+    while top < FLAT_LINE_ENTRIES:
+        # A flat line is measured again on larger sizes; decided on the slowest worker's times and
+        # clock, so every worker times the same sizes.
+        spent_everywhere, *times = slowest(strategy, [spent] + [t for _, t in points])
+        flat = LinkModel.fit([(b, t) for (b, _), t in zip(points, times)]).seconds_per_byte == 0.0
+        # The next call predicted as if all bandwidth: FACTOR times the slowest so far.
+        if not flat or (MIN_REPEATS + 1) * FACTOR * max(times) > budget_s - spent_everywhere:
+            break
+        top *= FACTOR
+        seconds, first = _timed_calls(_of_size(collective, top), MIN_REPEATS)
+        spent += MIN_REPEATS * seconds + first
+        points.append((sent(top), seconds))
     return points
 
 

@@ -29,3 +29,20 @@ def densities(text):
     if not values:
         raise argparse.ArgumentTypeError(f"expected comma-separated densities, got {text!r}")
     return values
+
+
+def density_warmup_steps(text):
+    """`density_warmup_steps`: "auto" (the library's default) or an integer >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer >= 0, got {text!r}")
+    return value
+
+
+DENSITY_WARMUP_HELP = ("a fixed density's warm-up (density_warmup_steps): 'auto' (default: 400 steps from 0.25 for "
+                       "a density of 0.01 or less), or steps (0: the density from the first step)")

@@ -220,8 +220,15 @@ class SparseExchange(tf.Module):
         """Exchange `grads` (one per variable, None allowed) in a replica context.
 
         Returns an ExchangeResult. `step` (an int tensor, e.g. the optimizer's
-        iterations) is required when the density is scheduled.
+        iterations) is required when the density is scheduled, and so with a
+        fixed density of 0.01 or less, which warms up (`density_warmup_steps`).
         """
+        if step is None and self.config.density_warmup_taken:
+            raise ValueError(
+                f"density={self.config.schedule.settled_density():g} starts with a "
+                f"{self.config.density_warmup_taken}-step warm-up (density_warmup_steps="
+                f"{self.config.density_warmup_steps!r}), which counts steps: pass step=... (e.g. the optimizer's "
+                "iterations), or density_warmup_steps=0 for that density from the first step")
         grads, context = self._check_call(grads)
         replicas = context.num_replicas_in_sync
         if self._every_entry_as_dense:
@@ -445,10 +452,11 @@ def _all_reduce_every_entry(grads, context, specs, residuals):
 
 
 def _buckets(specs, sparse_positions, config):
-    """Consecutive sparsified variables, at most `config.bucket_bytes` of pairs each."""
+    """Consecutive sparsified variables, at most `config.bucket_bytes` of pairs
+    each (once a warm-up is over: its first steps send more)."""
     buckets, current, current_bytes = [], [], 0
     for position in sparse_positions:
-        pair_bytes = 8 * config.max_pairs(specs[position].size)
+        pair_bytes = 8 * config.settled_pairs(specs[position].size)
         if current and config.bucket_bytes is not None and \
                 current_bytes + pair_bytes > config.bucket_bytes:
             buckets.append(current)

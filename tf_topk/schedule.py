@@ -61,6 +61,33 @@ def dgc_warmup(steps_per_epoch, epochs=4, final=0.001, initial=0.25):
         [(epochs * steps_per_epoch, final)]
 
 
+def warmup_in_steps(steps, final, initial=0.25, stages=4):
+    """DGC's falling densities over the first `steps` steps, as (step, density) pairs.
+
+    `stages` equal stages from `initial` down to `final`, each `final /
+    initial` to the power 1 / stages below the last, then `final` from step
+    `steps` on: DGC's warm-up with its epochs given as steps, for where the
+    epoch's length is not known (the default warm-up of a fixed density
+    of 0.01 or less, `tf_topk.ExchangeConfig.density_warmup_steps`). steps=0:
+    `final` from the first step.
+
+    Example:
+        >>> tf_topk.schedule.warmup_in_steps(400, final=0.001)
+        [(0, 0.25), (100, 0.0629), (200, 0.0158), (300, 0.00398), (400, 0.001)]   # rounded here
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise ValueError(f"stages must be an int >= 1, got {stages!r}")
+    final = _check_density(final, "final")
+    initial = _check_density(initial, "initial")
+    if final >= initial or steps == 0:
+        return [(0, final)]
+    stages = min(stages, steps)
+    ratio = (final / initial) ** (1.0 / stages)
+    return [(steps * stage // stages, initial * ratio**stage) for stage in range(stages)] + [(steps, final)]
+
+
 class DensitySchedule:
     """The density of each step, and k for a variable of a given size."""
 
@@ -118,6 +145,15 @@ class DensitySchedule:
             return self.constant
         if self.steps is not None:
             return max(d for _, d in self.steps)
+        return None
+
+    def settled_density(self):
+        """The density a warm-up settles at (a list of pairs whose densities
+        never rise: its last), the constant one, else None."""
+        if self.constant is not None:
+            return self.constant
+        if self.steps is not None and all(b <= a for (_, a), (_, b) in zip(self.steps, self.steps[1:])):
+            return self.steps[-1][1]
         return None
 
     def density(self, step=None):

@@ -43,7 +43,7 @@ rng = np.random.default_rng(11)
 grads = [[[rng.standard_normal(shape).astype(np.float32) for shape in SHAPES] for _ in range(REPLICAS)]
          for _ in range(STEPS)]
 grads[NAN_STEP][1][0].flat[3] = np.nan  # only the runs "ef" and "ef_leader" get it
-common = dict(method="exact", min_size=config["min_size"])
+common = dict(method="exact", min_size=config["min_size"], density_warmup_steps=0)
 RUNS = {
     "ef": dict(exchange_mode="allreduce", density=DENSITY),
     "ef_leader": dict(router=tf_topk.routes.FixedRouter(tf_topk.routes.AgreedIndexRoute("leader")), density=DENSITY),

@@ -48,6 +48,7 @@ for label, options in RUNS.items():
     with strategy.scope():
         variables = [tf.Variable(tf.zeros(shape)) for shape in SHAPES]
         exchange = tf_topk.SparseExchange(variables, density=DENSITY, method="exact", min_size=MIN_SIZE,
+                                          density_warmup_steps=0,
                                           **options)
     saved[f"{label}/num_buckets"] = np.array(exchange.num_buckets)
 

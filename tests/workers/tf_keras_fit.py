@@ -33,6 +33,8 @@ import time
 os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow: tf.keras is tf_keras (Keras 2)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from tf_topk.cli import DENSITY_WARMUP_HELP, density_warmup_steps  # noqa: E402  (standard library only)
+
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
@@ -46,6 +48,7 @@ def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--dense", action="store_true")
     parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--density-warmup-steps", type=density_warmup_steps, default="auto", help=DENSITY_WARMUP_HELP)
     parser.add_argument("--momentum", type=float, default=0.0)
     parser.add_argument("--momentum-correction", action="store_true")
     parser.add_argument("--learning-rate", type=float, default=0.3)
@@ -130,7 +133,8 @@ def main():
                                   keras.layers.Dense(10, dtype="float32")])
         inner = keras.optimizers.SGD(args.learning_rate, momentum=args.momentum)
         optimizer = inner if args.dense else tf_topk.tf_keras.TopKOptimizer(
-            inner, density=args.density, momentum_correction=args.momentum_correction)
+            inner, density=args.density, momentum_correction=args.momentum_correction,
+            density_warmup_steps=args.density_warmup_steps)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         topk = tf_topk.adapter.find_topk_optimizer(model.optimizer)
         if topk is not None:

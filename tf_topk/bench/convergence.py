@@ -176,6 +176,8 @@ def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries
                                      **common)
     if args.warmup_epochs:
         density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=density)
+    else:  # a fixed density: the library's warm-up of it ("auto", the default), or as asked
+        common["density_warmup_steps"] = getattr(args, "density_warmup_steps", "auto")
     if method in ("topk_ef", "topk_mc"):
         return tf_topk.TopKOptimizer(inner, density=density, **common)
     if method == "topk_noef":
@@ -466,6 +468,7 @@ def run(args, log=None):
         "model": model_name(args, data[0].shape[1]), "params": params,
         "optimizer": optimizer_name(args),
         "selection_method": args.method, "min_size": args.min_size, "warmup_epochs": args.warmup_epochs,
+        "density_warmup_steps": getattr(args, "density_warmup_steps", "auto"),
         "local_clipnorm": args.local_clipnorm, "selection_scope": args.selection_scope,
         "momentum_masking": args.masking,
         "epochs": args.epochs, "batch_size": args.batch_size, "seeds": args.seeds,
@@ -711,6 +714,8 @@ def main(argv=None):
                         help="DGC density warm-up over this many epochs for the sparse methods "
                              "(tf_topk.schedule.dgc_warmup; --dataset text: evaluation intervals); "
                              "0: the density from the first step")
+    parser.add_argument("--density-warmup-steps", type=cli.density_warmup_steps, default="auto",
+                        help="without --warmup-epochs, " + cli.DENSITY_WARMUP_HELP)
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian",
                         help="tf_topk selection method")
     parser.add_argument("--local-clipnorm", type=float, default=None,
@@ -801,6 +806,9 @@ def main(argv=None):
         parser.error(f"--replicas must be >= 1 and divide --batch-size ({args.batch_size}), got {args.replicas}")
     if args.warmup_epochs < 0:
         parser.error(f"--warmup-epochs must be >= 0, got {args.warmup_epochs}")
+    if args.warmup_epochs and args.density_warmup_steps != "auto":
+        parser.error("--density-warmup-steps warms up a fixed density; --warmup-epochs gives a schedule instead: "
+                     "pass one of them")
     if args.model is None:
         args.model = {"shapes": "cnn", "signals": "cnn1d", "text": "transformer"}.get(args.dataset, "mlp")
     if (args.model == "transformer") != (args.dataset == "text"):

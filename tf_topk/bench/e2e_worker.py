@@ -6,7 +6,8 @@ tf_topk.bench.e2e_worker ...`) or on localhost (`--no-netns`). It trains one
 configuration under MultiWorkerMirroredStrategy with a custom loop:
 
     dense         the plain optimizer: Keras's dense all-reduce of every gradient
-    topk:<d>      tf_topk.TopKOptimizer(same optimizer, density=d)
+    topk:<d>      tf_topk.TopKOptimizer(same optimizer, density=d, density_warmup_steps=0):
+                  the density's own steps timed (a run's steps after its warm-up)
     topk:<d>@<m>  the same with exchange_mode=m (allgather, allreduce, auto)
     dgc:<d>       the same with momentum_correction=True, sparse_updates=True:
                   the momentum moves into the exchange, and the update touches
@@ -206,7 +207,7 @@ def build_training(keras, tf_topk, strategy, args, kind, density, exchange_mode=
             dgc = kind == "dgc"
             mode = {} if exchange_mode is None else {"exchange_mode": exchange_mode}
             optimizer = tf_topk.TopKOptimizer(inner, density=density, method=args.method, momentum_correction=dgc,
-                                              sparse_updates=dgc, **mode)
+                                              sparse_updates=dgc, density_warmup_steps=0, **mode)
         if kind is not None:  # built here, eagerly, so the autopilot can measure the cluster
             optimizer.build(model.trainable_variables)
     return model, optimizer, shape, classes

@@ -46,10 +46,11 @@ def measure(density, repeats=15, method="gaussian", seed=0):
     rng = np.random.default_rng(seed)
     variables = [tf.Variable(tf.zeros(shape), name=f"v{i}") for i, shape in enumerate(SHAPES)]
     grads = [tf.constant(rng.standard_normal(shape).astype(np.float32) * 1e-3) for shape in SHAPES]
-    exchange = tf_topk.SparseExchange(variables, density=density, method=method)
-    sparse_exchange = tf_topk.SparseExchange(variables, density=density, method=method, sparse_output=True)
-    bucket_exchange = tf_topk.SparseExchange(variables, density=density, method=method, exchange_mode="allgather",
-                                             selection_scope="bucket")
+    # The density's own steps, not a warm-up's (density_warmup_steps=0): what every step after it costs.
+    fixed = {"density": density, "method": method, "density_warmup_steps": 0}
+    exchange = tf_topk.SparseExchange(variables, **fixed)
+    sparse_exchange = tf_topk.SparseExchange(variables, **fixed, sparse_output=True)
+    bucket_exchange = tf_topk.SparseExchange(variables, **fixed, exchange_mode="allgather", selection_scope="bucket")
     sparse = exchange.sparse_positions
     ks = [max(1, math.ceil(density * int(np.prod(SHAPES[p])))) for p in sparse]
     optimizer = keras.optimizers.SGD(1e-3)

@@ -57,7 +57,8 @@ def measure(replicas, size, small, density, steps):
     for mode in MODES:
         with strategy.scope():
             variables = [tf.Variable(tf.zeros(shape)) for shape in shapes]
-            exchange = tf_topk.SparseExchange(variables, density=density, min_size=MIN_SIZE, exchange_mode=mode)
+            exchange = tf_topk.SparseExchange(variables, density=density, min_size=MIN_SIZE, exchange_mode=mode,
+                                              density_warmup_steps=0)  # the density's own steps
 
         @tf.function
         def step(grads, exchange=exchange):
