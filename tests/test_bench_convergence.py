@@ -313,6 +313,9 @@ def test_the_test_at_each_epochs_end_scores_as_keras_evaluate_does():
     (("--autopilot",), "--autopilot plans for a stated link: give --time-links"),
     (("--time-plot", "t.png"), "--time-plot draws the charged time: give --time-links"),
     (("--time-links", "1gbit,fast"), "links must be comma-separated rates such as 100mbit,1gbit, got '1gbit,fast'"),
+    (("--density-warmup-steps", "-5"), r"--density-warmup-steps: must be 'auto' or an integer >= 0, got '-5'"),
+    (("--density-warmup-steps", "many"), r"--density-warmup-steps: must be 'auto' or an integer >= 0, got 'many'"),
+    (("--density-warmup-steps", "100", "--warmup-epochs", "4"), "--density-warmup-steps warms up a fixed density"),
 ])
 def test_bad_arguments_are_refused_before_training(args, message):
     proc = run_convergence(*args, timeout=60)

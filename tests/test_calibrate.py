@@ -107,7 +107,7 @@ def _check_found(found, replicas):
     assert found["dense_predicted_s"] > 0
     assert found["line"].startswith("calibration (") and f"{replicas} workers" in found["line"]
     # Where the time went: every part, in the order they run, within the whole.
-    assert list(found["phases"]) == ["all_reduce", "all_gather", "compute", "agree", "steps", "collect"]
+    assert list(found["phases"]) == ["all_gather", "all_reduce", "compute", "agree", "steps", "collect"]
     assert all(seconds >= 0 for seconds in found["phases"].values())
     assert sum(found["phases"].values()) <= found["seconds"]
 
@@ -320,20 +320,22 @@ def test_the_calibrations_memory_is_a_few_gradients_a_replica_and_none_is_kept()
     assert found["kept"] <= 0.01 * found["gradient_bytes"], found
 
 
-# Two logical CPUs, every collective run for real, but each size timed as the same 2 ms (a line with
-# no slope: what a tiny model's few latency-bound sizes gave in a fresh-clone CI run, which then read
-# as a free link), or as 2 ms plus a rate (a line with a slope).
-FLAT_SCRIPT = r"""
+# Two logical CPUs, every collective run for real, each size's calls timed as a formula of the size
+# and the sizes timed so far says (argv: the formula, the model's entries, the budget), for the
+# calibration's size schedule on timings the test chooses.
+SCRIPTED_TIMINGS = r"""
 import json, sys
 import tensorflow as tf
 tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
                                            [tf.config.LogicalDeviceConfiguration()] * 2)
 import tf_topk.calibrate as calibrate
 
+formula, entries, budget_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 sizes = []
-def timed_calls(function, repeats):
+def timed_calls(function, repeats, warm_up=True):
     function()
-    return 0.002 + (float(sys.argv[1]) * len(sizes)), 0.002
+    seconds = eval(formula, {"size": sizes[-1], "timed": len(sizes)})
+    return seconds, (repeats + warm_up) * seconds
 
 original = calibrate._of_size
 def of_size(function, size):
@@ -342,10 +344,19 @@ def of_size(function, size):
 
 calibrate._timed_calls, calibrate._of_size = timed_calls, of_size
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-found = calibrate.calibrate(strategy, entries=300, budget_s=30.0)
+found = calibrate.calibrate(strategy, entries=entries, budget_s=budget_s)
 print(json.dumps({"sizes": sizes, "points": found.points,
                   "rates": [found.model.all_reduce.seconds_per_byte, found.model.all_gather.seconds_per_byte]}))
 """
+
+
+def _calibrate_on_scripted_timings(formula, entries, budget_s):
+    env = {**os.environ, **worker_env()}
+    env.pop("TF_CONFIG", None)
+    proc = subprocess.run([sys.executable, "-c", SCRIPTED_TIMINGS, formula, str(entries), str(budget_s)],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("growth", [0.0, 0.001])
@@ -355,12 +366,9 @@ def test_a_flat_line_is_timed_on_larger_sizes_then_never_read_as_a_free_link(gro
     takes the slowest rate its largest call allows: never 0 seconds a byte (an unlimited link)."""
     from tf_topk.calibrate import FLAT_LINE_ENTRIES, _line
 
-    env = {**os.environ, **worker_env()}
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", FLAT_SCRIPT, str(growth)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Each size 2 ms (a line with no slope: what a tiny model's few latency-bound sizes gave in a
+    # fresh-clone CI run, which then read as a free link), or 2 ms plus a rate (a line with a slope).
+    found = _calibrate_on_scripted_timings(f"0.002 + {growth} * timed", 300, 30.0)
     for kind in ("all_reduce", "all_gather"):
         sent = [b for b, _ in found["points"][kind]]
         if growth:  # a slope: the model's two sizes, nothing more
@@ -371,3 +379,47 @@ def test_a_flat_line_is_timed_on_larger_sizes_then_never_read_as_a_free_link(gro
             latency, per_byte = _line(found["points"][kind])
             assert per_byte == pytest.approx(0.002 / sent[-1])
     assert all(rate > 0 for rate in found["rates"])
+
+
+def test_a_latency_bound_size_takes_the_fewest_calls_and_one_that_does_not_fit_stops_the_sizes():
+    """`_next_size`: the next call predicted by the line through the sizes so far (never below the
+    last's); within LATENCY_BOUND times the first size's it is latency-bound and takes MIN_REPEATS
+    calls, a larger one as many as fit at twice its prediction, and none where MIN_REPEATS would not."""
+    from tf_topk.calibrate import LATENCY_BOUND, MIN_REPEATS, REPEATS, _next_size
+
+    flat = ([1_792, 14_336], [0.020, 0.021])  # 8 workers on two cores: 20-30 ms a call whatever its size
+    assert 0.020 + 0.001 * (114_688 - 1_792) / (14_336 - 1_792) < LATENCY_BOUND * 0.020
+    assert _next_size(*flat, 114_688, left_s=0.5) == MIN_REPEATS
+    assert _next_size(*flat, 114_688, left_s=0.08) is None  # 3 calls of 29 ms do not fit 80 ms
+    sloped = ([1e3, 1e4], [0.001, 0.010])  # 1 us a byte: the next, 1e5 bytes, 0.1 s
+    assert _next_size(*sloped, 1e5, left_s=10.0) == REPEATS
+    assert _next_size(*sloped, 1e5, left_s=0.7) == 3 == int(0.7 / (2 * 0.1))
+    assert _next_size(*sloped, 1e5, left_s=0.29) is None
+    # A slower larger size (a negative slope, clipped): the prediction is the last call, latency-bound.
+    assert _next_size([1e3, 1e4], [0.030, 0.020], 1e5, left_s=0.5) == MIN_REPEATS
+
+
+def test_rounds_stop_where_the_next_would_overrun_their_time_and_one_always_runs():
+    """The compute's timing is bounded (`_interleaved_times`' within_s): this worker's own rounds, at
+    least one, never one that would end past the bound."""
+    from tf_topk.calibrate import _interleaved_times
+
+    def call():
+        time.sleep(0.02)
+        return tf.constant(0.0)
+
+    assert [len(t) for t in _interleaved_times([call, call], 4)] == [4, 4]
+    # The untimed calls take 40 ms and a round 40 ms: a second round would end past 0.1 s.
+    assert [len(t) for t in _interleaved_times([call, call], 4, within_s=0.1)] == [1, 1]
+    assert [len(t) for t in _interleaved_times([call], 4, within_s=0.001)] == [1]
+
+
+def test_the_all_reduce_reaches_a_size_whose_bytes_show_where_every_call_costs_25_ms():
+    """A call of 25 ms whatever its size (8 workers on two cores) left the all-reduce, with a third of a
+    2 s budget and 6 calls of every size, no size whose bytes were half its time (its rate read
+    0.01-0.2x); with latency-bound sizes taking 3 calls and the all-reduce what the all_gather left of
+    two thirds, both collectives reach one (2 replicas: 4 bytes an entry either way)."""
+    found = _calibrate_on_scripted_timings("0.025 + 4.0 * size * 8 / 1e9", 1 << 21, 2.0)
+    for kind in ("all_gather", "all_reduce"):
+        sent, seconds = found["points"][kind][-1]
+        assert sent * 8 / 1e9 >= seconds / 2, (kind, found["points"][kind])

@@ -46,8 +46,8 @@ from tf_topk.gather import all_gather_rows
 # float32 entries of the first timed collective; each next size is FACTOR times larger.
 FIRST_ENTRIES = 256
 FACTOR = 8
-# Calls per size (the median is kept), after one untimed call that traces; down to MIN_REPEATS
-# where a larger size's calls would not fit the budget otherwise.
+# Calls per size (the median is kept), the first size's after one untimed call that traces; down to
+# MIN_REPEATS where a size is latency-bound or its calls would not fit the budget otherwise.
 REPEATS = 5
 MIN_REPEATS = 3
 # Entries the selection and the rounding are timed on (throughput), and the selection's density.
@@ -69,6 +69,11 @@ CONTRADICTED = 3.0
 # model's few sizes) says bytes are free. Larger sizes are timed, FACTOR times each, up to this
 # many entries while the budget allows; a line still flat takes the stated fallback (`_line`).
 FLAT_LINE_ENTRIES = 1 << 20
+# A size whose call is predicted within this many times the first size's is latency-bound
+# (`_next_size`): it takes MIN_REPEATS calls, so that the budget reaches the sizes whose bytes show.
+LATENCY_BOUND = 1.5
+# The share of the budget the compute's timing takes at most (`_time_compute`), after the collectives' two thirds.
+COMPUTE_SHARE = 1 / 6
 # Rounds of the trial's steps, each step called once a round (the median is kept), after one
 # call of each that traces. The steps take turns, so a burst of load on the machine slows all.
 TRIAL_REPEATS = 5
@@ -144,10 +149,11 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     entries: the gradient entries the model exchanges: collectives are timed
       up to that size (not beyond what a step sends) and the dense
       all-reduce of exactly that many is measured when it fits the budget.
-    budget_s: a bound on the calibration's time: the calls of each collective
-      get at most a third (a size whose predicted time would overrun is not
-      timed), the trial at most the last third and what the compute's timing
-      left of it; the one trace per function comes on top.
+    budget_s: a bound on the calibration's time: the collectives' calls get
+      two thirds (the all_gather's at most one, the all-reduce's what it
+      left; a size whose predicted time would overrun is not timed), the
+      compute's timing at most COMPUTE_SHARE, the trial at most a third and
+      what is left; the one trace per function comes on top.
     small_entries: float32 entries of the dense path beside `entries` (small
       variables): in the dense all-reduce, and carried by the trial's all_gather.
     trial_density: the sparse step the trial times (k = ceil(trial_density *
@@ -210,7 +216,6 @@ def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_
     replicas = strategy.num_replicas_in_sync
     start = time.perf_counter()
     largest = entries or (1 << 22)
-    points = {}
 
     def timed(phase, function, *args):
         began = time.perf_counter()
@@ -218,9 +223,18 @@ def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_
         phases[phase] = time.perf_counter() - began
         return result
 
-    for kind in ("all_reduce", "all_gather"):
-        points[kind] = timed(kind, _time_collective, strategy, kind, largest, budget_s / 3) if replicas > 1 else []
-    selection, rounding, pair = timed("compute", _time_compute, SELECTION_ENTRIES, entries or SELECTION_ENTRIES)
+    points = {"all_gather": [], "all_reduce": []}
+    if replicas > 1:
+        # Two thirds of the budget for the collectives' sizes: the all_gather's first, at most a third
+        # (it sends P / 2 times the all-reduce's bytes per entry, so its bytes show at smaller sizes),
+        # then the all-reduce's, what the all_gather left (8 workers on two cores: a call costs 20-30 ms
+        # up to 512 KB, and a third reached no size whose bytes showed). The spent time is agreed.
+        points["all_gather"], spent = timed("all_gather", _time_collective, strategy, "all_gather", largest,
+                                            budget_s / 3)
+        left = 2 * budget_s / 3 - slowest(strategy, [spent])[0]
+        points["all_reduce"], _ = timed("all_reduce", _time_collective, strategy, "all_reduce", largest, left)
+    selection, rounding, pair = timed("compute", _time_compute, SELECTION_ENTRIES, entries or SELECTION_ENTRIES,
+                                      budget_s * COMPUTE_SHARE)
     # The time spent so far travels with the numbers: every later branch is decided on the slowest
     # worker's clock, the same everywhere (a worker that arrived first and waited in the first
     # collective has a later clock of its own, and would skip a collective the others run).
@@ -374,9 +388,9 @@ def _seconds_of(function):
     return time.perf_counter() - begin
 
 
-def _median_call(function, repeats):
-    """Median seconds of `repeats` calls, after one that traces."""
-    return _timed_calls(function, repeats)[0]
+def _median_call(function, repeats, within_s=None):
+    """Median seconds of up to `repeats` calls, after one that traces (`_interleaved_times`)."""
+    return statistics.median(_interleaved_times([function], repeats, within_s)[0])
 
 
 def interleaved_medians(functions, repeats):
@@ -386,33 +400,45 @@ def interleaved_medians(functions, repeats):
     return [statistics.median(seconds) for seconds in _interleaved_times(functions, repeats)]
 
 
-def median_difference(function, baseline, repeats):
-    """Median over `repeats` rounds of what `function` took beyond `baseline`
-    called right after it: a small difference of two larger times, which
+def median_difference(function, baseline, repeats, within_s=None):
+    """Median over up to `repeats` rounds (`_interleaved_times`) of what
+    `function` took beyond `baseline` called right after it: a small difference of two larger times, which
     the difference of their separate medians buries in load (on 4 busy
     workers a densifying cost read 53,800-311,259 us per M pairs that way,
     27,647-34,397 paired in 9 of 12 calibrations:
     benchmarks/history/2026-11-25-autopilot-remedies.md, remedy 8)."""
-    first, second = _interleaved_times([function, baseline], repeats)
+    first, second = _interleaved_times([function, baseline], repeats, within_s)
     return statistics.median(a - b for a, b in zip(first, second))
 
 
-def _interleaved_times(functions, repeats):
+def _interleaved_times(functions, repeats, within_s=None):
     """Seconds of each call of each function, `repeats` rounds in turn, after
-    one call of each that traces."""
+    one call of each that traces. With `within_s`, the rounds stop early where
+    the next would end past `within_s` from the first call (as long as the
+    last round took): at least one round. The rounds are this worker's own:
+    nothing here pairs up with the other workers."""
+    began = time.perf_counter()
     for function in functions:
         _block(function())
     times = [[] for _ in functions]
-    for _ in range(repeats):
+    for done in range(repeats):
+        if done and within_s is not None and \
+                time.perf_counter() - began + sum(seconds[-1] for seconds in times) > within_s:
+            break
         for function, seconds in zip(functions, times):
             seconds.append(_seconds_of(function))
     return times
 
 
-def _timed_calls(function, repeats):
-    """(median seconds of `repeats` calls, seconds of the first call, which traces)."""
-    first = _seconds_of(function)
-    return statistics.median([_seconds_of(function) for _ in range(repeats)]), first
+def _timed_calls(function, repeats, warm_up=True):
+    """(median seconds of `repeats` calls, the seconds they took): after one
+    untimed call where `warm_up` (a function's first call traces), which the
+    seconds taken count as a median call."""
+    if warm_up:
+        _seconds_of(function)
+    seconds = [_seconds_of(function) for _ in range(repeats)]
+    median = statistics.median(seconds)
+    return median, sum(seconds) + (median if warm_up else 0.0)
 
 
 def _block(result):
@@ -422,64 +448,81 @@ def _block(result):
 
 
 def _time_collective(strategy, kind, largest, budget_s):
-    """[(bytes a worker sends, median seconds)] for sizes FIRST_ENTRIES, x FACTOR,
+    """([(bytes a worker sends, median seconds)], the seconds its calls took on
+    this worker) for sizes FIRST_ENTRIES, x FACTOR,
     ... up to `largest`: the first two always (a line needs two), then each
-    while MIN_REPEATS + 1 calls of the next size are predicted to fit
-    `budget_s` (the one trace of the function is not counted), with up to
-    REPEATS + 1 where they fit.
+    while MIN_REPEATS calls of the next size are predicted to fit `budget_s`
+    (the one trace of the function is not counted).
 
-    The prediction is the line through the sizes timed so far, never below
-    the last size's call: small calls are mostly latency, and scaling one in
-    proportion to its size (as if all bandwidth) stopped the sizes while
-    they were still far below what a step sends, where the slope misreads a
-    rate-limited link (a token bucket's burst, TCP's slow start) by 1.5x and
-    more. Every worker must time the same sizes (the collectives pair up), so
-    the decision to go on is itself agreed: the line through the slowest
-    worker's time at each size."""
+    The first size takes REPEATS calls after an untimed one (the latency);
+    a later size's calls are all timed (a new size's first call is no slower
+    than the next: 8 workers, 24-38 ms against medians of 23-31 ms), MIN_REPEATS
+    of them where the next call is predicted latency-bound (`_next_size`), so
+    that the budget goes to the sizes whose bytes show. The prediction is
+    the line through the sizes timed so far, never below the last size's call.
+    Every worker must time the same sizes (the collectives pair up), so the
+    decision to go on is itself agreed: the line through the slowest worker's
+    time at each size."""
     replicas = strategy.num_replicas_in_sync
 
     def sent(size):
         return ring_bytes(4.0 * size, replicas) if kind == "all_reduce" else (replicas - 1) * 4.0 * size
 
-    points, size, spent, repeats = [], min(FIRST_ENTRIES, largest), 0.0, REPEATS
     collective = _collective(strategy, kind)
-    while True:
-        seconds, first = _timed_calls(_of_size(collective, size), repeats)
-        spent += repeats * seconds + (first if points else seconds)  # the first size's first call traces
-        points.append((sent(size), seconds))
-        following = min(size * FACTOR, largest)
-        if following == size:
-            break
-        if len(points) >= 2:
-            # The line through the slowest worker's time at each size: the largest of each worker's own
-            # line's prediction would be the noisiest of them (8 workers: one line with a steep slope through
-            # two latency-bound sizes stopped the all-reduce's sizes there, 0.3 s into its 0.67).
-            spent_everywhere, *times = slowest(strategy, [spent] + [t for _, t in points])
-            call = max(LinkModel.fit([(b, t) for (b, _), t in zip(points, times)]).time(sent(following)), times[-1])
-            left = budget_s - spent_everywhere
-            if left < (MIN_REPEATS + 1) * call:
+    size = min(FIRST_ENTRIES, largest)
+    seconds, spent = _timed_calls(_of_size(collective, size), REPEATS)
+    points, top = [(sent(size), seconds)], size
+    if size == largest:  # `largest` is the first size: a line needs two, the smallest halved
+        half = size // 2 if size > 1 else FIRST_ENTRIES
+        points.append((sent(half), _timed_calls(_of_size(collective, half), REPEATS)[0]))
+    else:
+        size, repeats = min(size * FACTOR, largest), MIN_REPEATS
+        while True:
+            seconds, seconds_spent = _timed_calls(_of_size(collective, size), repeats, warm_up=False)
+            spent += seconds_spent
+            points.append((sent(size), seconds))
+            if size == largest:
                 break
-            # As many calls as fit at twice the predicted time (the line bends upwards where a
-            # burst ends), one of them untimed.
-            repeats = max(MIN_REPEATS, min(REPEATS, int(left / (2.0 * call)) - 1))
-        size = following
-    top = size
-    if len(points) == 1:  # `largest` is the first size: a line needs two, the smallest halved
-        size = size // 2 if size > 1 else FIRST_ENTRIES
-        points.append((sent(size), _median_call(_of_size(collective, size), REPEATS)))
+            spent_everywhere, *times = slowest(strategy, [spent] + [t for _, t in points])
+            following = min(size * FACTOR, largest)
+            decided = _next_size([b for b, _ in points], times, sent(following), budget_s - spent_everywhere)
+            if decided is None:
+                break
+            size, repeats = following, decided
+        top = size
     while top < FLAT_LINE_ENTRIES:
         # A flat line is measured again on larger sizes; decided on the slowest worker's times and
         # clock, so every worker times the same sizes.
         spent_everywhere, *times = slowest(strategy, [spent] + [t for _, t in points])
         flat = LinkModel.fit([(b, t) for (b, _), t in zip(points, times)]).seconds_per_byte == 0.0
         # The next call predicted as if all bandwidth: FACTOR times the slowest so far.
-        if not flat or (MIN_REPEATS + 1) * FACTOR * max(times) > budget_s - spent_everywhere:
+        if not flat or MIN_REPEATS * FACTOR * max(times) > budget_s - spent_everywhere:
             break
         top *= FACTOR
-        seconds, first = _timed_calls(_of_size(collective, top), MIN_REPEATS)
-        spent += MIN_REPEATS * seconds + first
+        seconds, seconds_spent = _timed_calls(_of_size(collective, top), MIN_REPEATS, warm_up=False)
+        spent += seconds_spent
         points.append((sent(top), seconds))
-    return points
+    return points, spent
+
+
+def _next_size(sent, times, following_sent, left_s):
+    """How many calls the next size (`following_sent` bytes a worker) takes,
+    or None where MIN_REPEATS of them would not fit `left_s`: `sent`, `times`,
+    the sizes so far and their agreed seconds.
+
+    Its call is predicted by the line through the sizes so far, never below
+    the last one's. A call predicted within LATENCY_BOUND times the first
+    size's is latency-bound: it adds a point to the latency, not to the rate,
+    and takes MIN_REPEATS calls; a larger one takes as many as fit at twice
+    its prediction (the line bends upwards where a burst ends), up to REPEATS.
+    Five calls of every latency-bound size stopped 8 workers on two cores
+    (20-30 ms a call up to 512 KB) before any size's bytes showed."""
+    call = max(LinkModel.fit(list(zip(sent, times))).time(following_sent), times[-1])
+    if left_s < MIN_REPEATS * call:
+        return None
+    if call < LATENCY_BOUND * times[0]:
+        return MIN_REPEATS
+    return max(MIN_REPEATS, min(REPEATS, int(left_s / (2.0 * call))))
 
 
 def _sparse_inputs(entries, small_entries):
@@ -513,13 +556,16 @@ def _sparse_step(strategy, inputs, k, profile_density):
     return run
 
 
-def _time_compute(size, bucket):
+def _time_compute(size, bucket, within_s=None):
     """Seconds per entry, on this worker, of the fused error-feedback
     selection and of the 16-bit route's rounding (with its residual), both
     on `size` entries, and per pair of densifying pairs (a scatter into a
     bucket of `bucket` entries). The functions are traced once per process
     (their inputs are arguments): a calibration pays for timing them, not
-    for tracing them again."""
+    for tracing them again. With `within_s`, each of the three takes fewer
+    calls where its share of it (a quarter, a quarter, a half) would not fit
+    them (8 workers on two cores: 1 s for all, half the budget, before)."""
+    share = (lambda part: None) if within_s is None else (lambda part: part * within_s)
     rng = np.random.default_rng(0)
     gradient = tf.constant(rng.standard_normal(size).astype(np.float32))
     residual = tf.zeros([size], tf.float32)
@@ -529,12 +575,13 @@ def _time_compute(size, bucket):
     values = tf.constant(rng.standard_normal(pairs).astype(np.float32))
     # A scatter of few pairs still writes the bucket: what it adds per pair is its time minus that of no pairs.
     per_pair = max(median_difference(lambda: _densify(target, indices, values),
-                                     lambda: _densify(target, indices[:0], values[:0]), MIN_REPEATS), 0.0) / pairs
+                                     lambda: _densify(target, indices[:0], values[:0]), MIN_REPEATS,
+                                     share(0.5)), 0.0) / pairs
     # The selection is traced anew each time: a kernel kept with its function would keep its
     # scratch buffer of `size` entries after the calibration.
     select = tf.function(_select)
-    return (_median_call(lambda: select(gradient, residual), REPEATS) / size,
-            _median_call(lambda: _round_to_bfloat16(gradient, residual), REPEATS) / size, per_pair)
+    return (_median_call(lambda: select(gradient, residual), REPEATS, share(0.25)) / size,
+            _median_call(lambda: _round_to_bfloat16(gradient, residual), REPEATS, share(0.25)) / size, per_pair)
 
 
 def _select(gradient, residual):

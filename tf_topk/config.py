@@ -238,13 +238,8 @@ class ExchangeConfig:
     def schedule(self):
         """The DensitySchedule that runs: `density` (None: the default, see
         the class), with its warm-up (`density_warmup_steps`)."""
-        if self.density is not None:
-            given = DensitySchedule(self.density)
-        else:
-            fixed = self.beta_2 is not None or self.exchange_mode != "auto"
-            given = DensitySchedule(FIXED_DEFAULT_DENSITY if fixed else AUTOPILOT)
-        steps = self._warmup_steps(given)
-        if not steps or given.constant >= WARMUP_INITIAL_DENSITY:  # nothing above it to start from
+        given, steps = self._given_and_warmup()
+        if not steps:
             return given
         return DensitySchedule(warmup_in_steps(steps, final=given.constant, initial=WARMUP_INITIAL_DENSITY))
 
@@ -252,9 +247,19 @@ class ExchangeConfig:
     def density_warmup_taken(self):
         """The steps of density warm-up that run (`density_warmup_steps`
         applied to the density): 0 where none does."""
-        given = self.replace(density_warmup_steps=0).schedule
+        return self._given_and_warmup()[1]
+
+    def _given_and_warmup(self):
+        """(the DensitySchedule given, before any warm-up; the warm-up's steps that run, 0 for none)."""
+        if self.density is not None:
+            given = DensitySchedule(self.density)
+        else:
+            fixed = self.beta_2 is not None or self.exchange_mode != "auto"
+            given = DensitySchedule(FIXED_DEFAULT_DENSITY if fixed else AUTOPILOT)
         steps = self._warmup_steps(given)
-        return steps if steps and given.constant < WARMUP_INITIAL_DENSITY else 0
+        if not steps or given.constant >= WARMUP_INITIAL_DENSITY:  # nothing above it to start from
+            return given, 0
+        return given, steps
 
     def _warmup_steps(self, given):
         """Steps of the density warm-up that `density_warmup_steps` asks of `given`."""

@@ -54,11 +54,9 @@ def dgc_warmup(steps_per_epoch, epochs=4, final=0.001, initial=0.25):
     initial = _check_density(initial, "initial")
     if final > initial:
         raise ValueError(f"final ({final}) must not exceed initial ({initial}): a warm-up lowers the density")
-    if epochs == 0:
+    if final == initial:
         return [(0, final)]
-    ratio = (final / initial) ** (1.0 / epochs)
-    return [(epoch * steps_per_epoch, initial * ratio**epoch) for epoch in range(epochs)] + \
-        [(epochs * steps_per_epoch, final)]
+    return warmup_in_steps(epochs * steps_per_epoch, final, initial, stages=max(1, epochs))
 
 
 def warmup_in_steps(steps, final, initial=0.25, stages=4):
