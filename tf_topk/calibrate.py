@@ -56,8 +56,10 @@ SELECTION_DENSITY = 0.01
 # Densifying is timed on a bucket of the model's size (SELECTION_ENTRIES where none is
 # given), with SELECTION_DENSITY of it as pairs but at least MIN_TIMED_PAIRS: a pair's
 # scatter costs more where the bucket outgrows the caches (on this machine 28-34 us per
-# thousand pairs into 1M entries, 5-15x that into the 12.6M of the wide MLP).
-MIN_TIMED_PAIRS = 4096
+# thousand pairs into 1M entries, 5-15x that into the 12.6M of the wide MLP). Fewer pairs than
+# this do not show: 4,096 read -33 to -73 ns a pair against a scatter of none (the demo's
+# calibration printed "densifying 0 us per M pairs"), 65,536 read 31-36 ns, into 49k or 1M entries.
+MIN_TIMED_PAIRS = 1 << 16
 # The trial times the dense and the sparse step whole where the line predicts neither
 # this many times faster than the other (farther apart, the line's error cannot flip the choice).
 CLOSE_CALL = 3.0
@@ -573,10 +575,15 @@ def _time_compute(size, bucket, within_s=None):
     target = tf.zeros([bucket], tf.float32)
     indices = tf.constant(rng.integers(0, bucket, (pairs, 1)).astype(np.int32))
     values = tf.constant(rng.standard_normal(pairs).astype(np.float32))
-    # A scatter of few pairs still writes the bucket: what it adds per pair is its time minus that of no pairs.
-    per_pair = max(median_difference(lambda: _densify(target, indices, values),
-                                     lambda: _densify(target, indices[:0], values[:0]), MIN_REPEATS,
-                                     share(0.5)), 0.0) / pairs
+    def scatter():
+        return _densify(target, indices, values)
+
+    # A scatter of few pairs still writes the bucket: what it adds per pair is its time minus that of no
+    # pairs (`median_difference`). Where that is not above 0 (below what the timing resolves), the stated
+    # fallback: the whole scatter counted as its pairs', the most they can cost, never a free pair.
+    difference = median_difference(scatter, lambda: _densify(target, indices[:0], values[:0]), MIN_REPEATS,
+                                   share(0.5))
+    per_pair = (difference if difference > 0 else _median_call(scatter, 1)) / pairs
     # The selection is traced anew each time: a kernel kept with its function would keep its
     # scratch buffer of `size` entries after the calibration.
     select = tf.function(_select)
