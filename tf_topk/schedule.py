@@ -54,8 +54,6 @@ def dgc_warmup(steps_per_epoch, epochs=4, final=0.001, initial=0.25):
     initial = _check_density(initial, "initial")
     if final > initial:
         raise ValueError(f"final ({final}) must not exceed initial ({initial}): a warm-up lowers the density")
-    if final == initial:
-        return [(0, final)]
     return warmup_in_steps(epochs * steps_per_epoch, final, initial, stages=max(1, epochs))
 
 
