@@ -172,6 +172,29 @@ def test_the_compute_is_traced_once_per_process_and_the_collection_leaves_gc_as_
         gc.unfreeze()
 
 
+def test_the_per_strategy_cache_does_not_keep_its_strategy_alive():
+    """The cache of the calibration's traced functions was a WeakKeyDictionary whose values (functions
+    closing over the strategy) held their key: no strategy was ever freed. (TensorFlow itself still
+    holds a strategy whose replica context ran an all-reduce in a traced function, through the gradient
+    it registers; a function that closes over the strategy alone shows the cache's part.)"""
+    import gc
+    import weakref
+
+    from tf_topk import calibrate
+
+    made = calibrate._per_strategy(lambda strategy, kind: (lambda: (strategy.num_replicas_in_sync, kind)))
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    function = made(strategy, "a")
+    assert made(strategy, "a") is function and made(strategy, "b") is not function
+    assert function() == (1, "a")
+    other = tf.distribute.MirroredStrategy(["/cpu:0"])
+    assert made(other, "a") is not function
+    alive = weakref.ref(strategy)
+    del strategy, function
+    gc.collect()
+    assert alive() is None
+
+
 def test_densifying_is_never_read_as_free():
     """A bucket of the demo's size (49,152 entries) read 0 us per M pairs with 4,096 timed pairs (a scatter
     of none took longer); with 65,536 pairs, or the whole scatter as the stated fallback, a pair costs."""

@@ -45,7 +45,7 @@ def test_a_fixed_low_density_warms_up_by_default(density):
     tf_topk.ExchangeConfig(density=0.02),  # above the low densities
     tf_topk.ExchangeConfig(density=0.001, density_warmup_steps=0),  # switched off
     tf_topk.ExchangeConfig(density=0.001, momentum=0.9, beta_2=0.999),  # Adam's: dense first steps anyway
-    tf_topk.ExchangeConfig(density=0.3, density_warmup_steps=50),  # above where a warm-up starts
+    tf_topk.ExchangeConfig(density=0.3),  # above where a warm-up starts
 ])
 def test_where_the_density_runs_as_given(config):
     assert config.schedule.is_constant and config.density_warmup_taken == 0
@@ -68,6 +68,8 @@ def test_an_int_sets_the_length_and_schedules_warm_up_as_they_say():
     ({"density": [(0, 0.1), (5, 0.01)], "density_warmup_steps": 5}, r"density_warmup_steps=5 warms up a fixed density"),
     ({"density": "adaptive", "density_warmup_steps": 5}, r"density_warmup_steps=5 .* density='adaptive'"),
     ({"density_warmup_steps": 5}, r"density=None \(the autopilot\)"),
+    ({"density": 0.5, "density_warmup_steps": 100},
+     r"density_warmup_steps=100 warms up from 0.25 .* density=0.5 is not below 0.25: nothing would warm up"),
 ])
 def test_bad_warmups_name_the_option(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -175,3 +177,15 @@ def test_the_keras_wrapper_warms_up_on_its_iterations_and_saves_the_option(tmp_p
     model.save(path)
     loaded = keras.models.load_model(path)
     assert loaded.optimizer.density_warmup_steps == 0 and loaded.optimizer.density == 0.001
+
+
+def test_a_config_saved_before_the_warmup_existed_resumes_without_one():
+    """A model at density 0.001 saved before `density_warmup_steps` existed ran 0.001 from its first
+    step: it resumes so, not into a 400-step warm-up it never ran; a wrapper's config likewise."""
+    old = tf_topk.ExchangeConfig(density=0.001).get_config()
+    del old["density_warmup_steps"]
+    assert tf_topk.ExchangeConfig.from_config(old).schedule.is_constant
+    optimizer_config = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.001).get_config()
+    del optimizer_config["density_warmup_steps"]
+    loaded = tf_topk.TopKOptimizer.from_config(optimizer_config)
+    assert loaded.density_warmup_steps == 0 and loaded.exchange_config.schedule.is_constant

@@ -311,9 +311,13 @@ def test_a_model_saved_before_training_loads_as_keras_loads_it(make_inner, tmp_p
 
 
 def test_built_with_no_variables_it_says_so_when_applied():
-    """Keras allows build([]) (its Nadam test does it); applying such an optimizer is a clear error."""
-    optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=1.0)
-    optimizer.build([])
-    assert optimizer.built and optimizer.exchange is None
-    with pytest.raises(ValueError, match=r"was built with no variables \(build\(\[\]\)\)"):
-        optimizer.apply([tf.ones(3)], [keras.Variable(np.ones(3, np.float32))])
+    """Keras allows build([]) (its Nadam test does it); applying such an optimizer is Keras's own
+    clear error, as for the inner optimizer alone."""
+    for wrap in (False, True):
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer = tf_topk.TopKOptimizer(optimizer, density=1.0) if wrap else optimizer
+        optimizer.build([])
+        assert optimizer.built and (not wrap or optimizer.exchange is None)
+        with pytest.raises(ValueError, match=r"Unknown variable: .* can only be called for the variables it was "
+                                             r"originally built with"):
+            optimizer.apply([tf.ones(3)], [keras.Variable(np.ones(3, np.float32))])

@@ -43,9 +43,9 @@ class InnerOverrides:
     values; afterwards they are as before, so the user's optimizer is left as
     it was given.
 
-    Used for the dense all-reduce (off: the exchange sums already) and, with
-    momentum correction, the inner SGD's momentum (0: the exchange applies
-    it). Reference-counted under a lock: MirroredStrategy runs replicas in
+    Used for the inner optimizer's cross-replica step (the exchange in place
+    of the dense all-reduce) and, with momentum correction, the inner SGD's
+    momentum (0: the exchange applies it). Reference-counted under a lock: MirroredStrategy runs replicas in
     threads, which enter and leave the block around the same optimizer
     concurrently. The bookkeeping bypasses the optimizer's attribute tracking,
     so it never lands in a checkpoint.
@@ -424,15 +424,18 @@ class TopKWrapper:
         apply, which is what advances a schedule in some Kerases)."""
         return self.inner_optimizer.learning_rate
 
-    def _apply_directions(self, pairs):
+    def _apply_directions(self, pairs, learning_rate=None, decay_and_constrain=True):
         """`variable -= lr * (direction + weight_decay * variable)` for each
-        (direction, variable) pair: the inner optimizer's learning rate and
-        decoupled weight decay (where it decays that variable), through the
-        strategy's variable update as the Keras optimizers apply theirs."""
+        (direction, variable) pair: the inner optimizer's learning rate
+        (`learning_rate`, else its rate now) and decoupled weight decay (where
+        it decays that variable), through the strategy's variable update as
+        the Keras optimizers apply theirs, then the variable's constraint.
+        decay_and_constrain=False where the inner optimizer's own apply decays
+        and constrains the variables (Keras 3): only the update then."""
         inner = self.inner_optimizer
-        learning_rate = tf.convert_to_tensor(self._learning_rate_now())
-        decays = [float(inner.weight_decay) if inner.weight_decay and inner._use_weight_decay(variable) else 0.0
-                  for _, variable in pairs]
+        learning_rate = tf.convert_to_tensor(self._learning_rate_now() if learning_rate is None else learning_rate)
+        decays = [float(inner.weight_decay) if decay_and_constrain and inner.weight_decay
+                  and inner._use_weight_decay(variable) else 0.0 for _, variable in pairs]
 
         def step(variable, direction, decay):
             rate = tf.cast(learning_rate, variable.dtype)
@@ -447,7 +450,7 @@ class TopKWrapper:
 
         tf.__internal__.distribute.interim.maybe_merge_call(
             update, tf.distribute.get_strategy(), [(d, self._tf_variable(v)) for d, v in pairs])
-        for _, variable in pairs:  # as the inner optimizer's apply does after its update
+        for _, variable in pairs if decay_and_constrain else ():  # as the inner apply does after its update
             if getattr(variable, "constraint", None) is not None:
                 variable.assign(variable.constraint(variable))
 

@@ -33,7 +33,6 @@ import dataclasses
 import gc
 import math
 import statistics
-import weakref
 import time
 
 import numpy as np
@@ -346,13 +345,14 @@ def _line(points):
 def _per_strategy(make):
     """`make(strategy, *key)` made once per strategy and key, then reused: each calibration (and each
     agreement) would otherwise trace a new tf.function, and TensorFlow warns of retracing from the
-    fifth. Held weakly by strategy."""
-    made = weakref.WeakKeyDictionary()
-
+    fifth. Kept on the strategy itself: a traced function holds its replica context, which holds the
+    strategy, so a cache held anywhere else would keep every strategy alive; on the strategy the two
+    form a cycle that the garbage collector frees with it."""
     def get(strategy, *key):
-        functions = made.setdefault(strategy, {})
+        functions = vars(strategy).setdefault("_tf_topk_calibration_functions", {})
+        key = (make.__name__, *key)
         if key not in functions:
-            functions[key] = make(strategy, *key)
+            functions[key] = make(strategy, *key[1:])
         return functions[key]
 
     return get

@@ -270,6 +270,11 @@ class ExchangeConfig:
             given_as = f"density={self.density!r}" + (" (the autopilot)" if self.density is None else "")
             raise ValueError(f"density_warmup_steps={self.density_warmup_steps} warms up a fixed density, got "
                              f"{given_as}: give the warm-up in the schedule, or density_warmup_steps=0")
+        if self.density_warmup_steps and given.constant >= WARMUP_INITIAL_DENSITY:
+            raise ValueError(f"density_warmup_steps={self.density_warmup_steps} warms up from "
+                             f"{WARMUP_INITIAL_DENSITY} down to the density given, but density={self.density!r} is "
+                             f"not below {WARMUP_INITIAL_DENSITY}: nothing would warm up. Pass density_warmup_steps=0 "
+                             "(or 'auto'), or a lower density")
         return self.density_warmup_steps
 
     def settled_pairs(self, size):
@@ -297,7 +302,12 @@ class ExchangeConfig:
 
     @classmethod
     def from_config(cls, config):
+        """Reads what get_config writes. A config written before
+        density_warmup_steps existed ran its density from the first step:
+        it loads with 0, not with today's default ("auto"), so that a run
+        resumed at a low density does not start a warm-up it never ran."""
         config = dict(config)
+        config.setdefault("density_warmup_steps", 0)
         if isinstance(config.get("density"), list):  # JSON turns (step, density) pairs into lists
             config["density"] = [tuple(pair) if isinstance(pair, list) else pair for pair in config["density"]]
         return cls(**config)

@@ -167,7 +167,8 @@ class SparseExchange(tf.Module):
             router = router or self.autopilot_plan.router()
         self.selector = _part(selector, Selector, "selector") or TopKSelector(self.config.method)
         self.memory = _part(memory, Memory, "memory") or memory_for(self.config, residuals)
-        if self.config.density is None and self.config.beta_2 is not None:  # say what runs, as the autopilot does
+        sparsifies = any(_spec(v, self.config.min_size).sparse for v in variables)
+        if self.config.density is None and self.config.beta_2 is not None and sparsifies:  # say what runs
             print(f"tf_topk: Adam's momentum correction: every entry for the first {self.config.variance_warmup_steps} "
                   f"steps, then density {FIXED_DEFAULT_DENSITY:g} (fixed: the autopilot does not choose a density for "
                   "a frozen second moment; pass density=... to choose one)", file=sys.stderr, flush=True)

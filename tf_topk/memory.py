@@ -394,7 +394,8 @@ class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
         return self._warming_up(self.step())
 
     def finish_step(self):
-        self.steps.assign_add(1)
+        if self.steps is not None:  # None: nothing is sparsified, so there is no warm-up to count
+            self.steps.assign_add(1)
 
     def preconditioner(self, slot):
         """p of the frozen second moment (before its scale factor), flat; sqrt(v)

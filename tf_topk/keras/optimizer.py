@@ -19,10 +19,25 @@ no density would be faster (a fast link, a small model, one replica), else
 routes and an adaptive density (`tf_topk.autopilot`). `density=0.001` keeps
 a fixed one.
 
+Where the exchange sits: the wrapper's `apply` is the inner optimizer's own
+`apply`, so Keras's order holds by construction: unscale (loss_scale_factor),
+set aside the variables overwritten with their gradient (float8), clip, then
+with gradient accumulation average the micro-steps, and only on an update
+step the cross-replica step, then the constraints and the EMA. The exchange
+takes the place of that cross-replica step (the TensorFlow backend's
+`_backend_update_step`, which all-reduces, then updates): it sees each
+replica's gradient as Keras's all-reduce would, clipped and accumulated, so
+error feedback keeps what that gradient did not send. Keras's weight decay,
+which it applies just before that step, runs inside it, in the branch taken
+when every replica's gradient is finite.
+
 Differences from the inner optimizer alone:
 - a step where any replica has a non-finite gradient is skipped on every
-  replica: no update, iterations not advanced, residuals unchanged (counted in
-  `skipped_steps`);
+  replica: no update and no weight decay, iterations not advanced, residuals
+  unchanged (counted in `skipped_steps`); an inner EMA still averages the
+  (unchanged) weights, and with gradient accumulation the skipped step's
+  micro-steps are dropped and counted, so the next ones start a new
+  accumulation;
 - no XLA: compile the model with `jit_compile=False` where Keras would pick
   XLA (a GPU machine without a distribution strategy);
 - a sparse gradient (`tf.IndexedSlices`, an Embedding's) is made dense before
@@ -30,8 +45,6 @@ Differences from the inner optimizer alone:
   optimizer updates it as it updates a dense gradient (the same values as
   Keras, at the cost of a pass over every row).
 """
-
-import warnings
 
 import keras
 import numpy as np
@@ -62,21 +75,15 @@ def _no_all_reduce(grads_and_vars):
     return list(grads_and_vars)
 
 
+def _no_weight_decay(variables):
+    """Keras's weight decay, skipped where Keras's `apply` calls it: the
+    wrapper applies it in the step's update (`_exchanged_update_step`)."""
+
+
 def _numbered_name(prefix):
     """`prefix`, then `prefix_1`, `prefix_2`, ... as Keras numbers its own optimizers."""
     uid = keras.backend.get_uid(prefix)
     return prefix if uid == 1 else f"{prefix}_{uid - 1}"
-
-
-def _check_gradients(grads, trainable_variables):
-    """Keras's checks of `apply`'s gradients: an error when there are none, a
-    warning naming the variables that have none."""
-    if not any(g is not None for g in grads):
-        raise ValueError("No gradients provided for any variable.")
-    missing = [getattr(v, "path", None) or v.name for g, v in zip(grads, trainable_variables) if g is None]
-    if missing:
-        warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss. If using "
-                      "`model.compile()`, did you forget to provide a `loss` argument?")
 
 
 def _check_all_reduce_hook(optimizer):
@@ -113,9 +120,27 @@ def _delegated_to_inner(name):
     return property(get, set, doc=f"The inner optimizer's {name}.")
 
 
+def _inner_use_ema():
+    """`use_ema`, read from the inner optimizer, which keeps the average: so
+    SwapEMAWeights finds it through a LossScaleOptimizer or a MultiOptimizer
+    around the wrapper. False while the wrapper builds its own state, so that
+    Keras's `build` makes no second average on the wrapper."""
+
+    def get(self):
+        inner = self.__dict__.get("inner_optimizer")
+        return False if inner is None or self.__dict__.get("_building_own_state") else inner.use_ema
+
+    def set(self, value):
+        inner = self.__dict__.get("inner_optimizer")
+        if inner is not None:  # Keras's constructor sets the default before the inner optimizer is attached
+            inner.use_ema = value
+
+    return property(get, set, doc="The inner optimizer's use_ema.")
+
+
 _DELEGATED_CLIPPING = ("clipnorm", "clipvalue", "global_clipnorm")
-# What a Keras optimizer holds before `build`: iterations and the learning rate.
-_UNBUILT_VARIABLES = 2
+# Files of earlier versions began with the wrapper's own iterations and learning rate.
+_EARLIER_LAYOUT_EXTRA = 2
 
 
 @keras.saving.register_keras_serializable(package="tf_topk")
@@ -272,10 +297,19 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         # The exchange replaces the inner optimizer's dense all-reduce, which is
         # switched off only while this optimizer applies an update through it.
         _check_all_reduce_hook(self.inner_optimizer)
-        self._set_exchange_config(exchange_config, parts, {"_all_reduce_sum_gradients": _no_all_reduce,
-                                                           **{name: None for name in _DELEGATED_CLIPPING}})
+        # While this optimizer applies through the inner one, the exchange is its cross-replica update
+        # step, and its weight decay runs there (`_exchanged_update_step`).
+        self._set_exchange_config(exchange_config, parts, {
+            "_backend_update_step": self._exchanged_update_step, "_apply_weight_decay": _no_weight_decay,
+            "_all_reduce_sum_gradients": _no_all_reduce})
 
     clipnorm, clipvalue, global_clipnorm = (_delegated_to_inner(name) for name in _DELEGATED_CLIPPING)
+    use_ema = _inner_use_ema()
+
+    @property
+    def _model_variables_moving_average(self):
+        """The inner optimizer's EMA of the weights (SwapEMAWeights swaps them in)."""
+        return self.inner_optimizer._model_variables_moving_average
 
     # -- state ----------------------------------------------------------------
 
@@ -283,7 +317,11 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         if not self.inner_optimizer.built:
             with InnerOverrides(self.inner_optimizer, self._inner_overrides):
                 self.inner_optimizer.build(var_list)
-        super().build(var_list)
+        object.__setattr__(self, "_building_own_state", True)
+        try:
+            super().build(var_list)
+        finally:
+            object.__setattr__(self, "_building_own_state", False)
         self._build_exchange(var_list)
 
     def _make_variable(self, name, shape, dtype, kind):
@@ -301,7 +339,13 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        """This optimizer's state (per-replica residuals and velocities, the
+        skipped steps), then the inner optimizer's (iterations, learning
+        rate, slots). The wrapper's own iterations and learning rate, which
+        Keras's constructor makes and nothing reads (both are the inner
+        optimizer's), are left out."""
+        unused = (self._iterations, self._learning_rate)
+        return [v for v in self._variables if not any(v is u for u in unused)] + self.inner_optimizer.variables
 
     def save_own_variables(self, store):
         """As Keras, except that per-replica state (residuals, velocities)
@@ -314,22 +358,36 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
     def load_own_variables(self, store):
         """As Keras, except that each replica gets its own per-replica state
         back when the number of replicas is unchanged, else sum / replicas.
+
+        Reads the files of earlier versions too, which began with the
+        wrapper's own iterations and learning rate (2 more entries, skipped).
         A file saved before the first step holds what an unbuilt wrapper has
-        (its iterations and learning rate, then the inner optimizer's): there
-        is nothing of its own to restore, and Keras loads the inner optimizer
-        from its own entry of the file as it loads it alone (silent for an
-        optimizer without slots, Keras's warning otherwise)."""
-        if self.built and len(store.keys()) == 2 * _UNBUILT_VARIABLES:
-            self._variables[0].assign(store["0"])  # iterations; the learning rate is the inner one's
+        (the inner optimizer's iterations and learning rate; the earlier
+        layout, the wrapper's own first): there is nothing of its own to
+        restore, and Keras loads the inner optimizer from its own entry of
+        the file as it loads it alone (silent for an optimizer without
+        slots, Keras's warning otherwise)."""
+        saved = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
+        variables = self.variables
+        for skipped in (0, _EARLIER_LAYOUT_EXTRA):
+            if self._fits(saved[skipped:], variables):
+                for variable, value in zip(variables, saved[skipped:]):
+                    if keeps_replica_values(self._tf_variable(variable)):
+                        restore_value(self._tf_variable(variable), value)
+                    else:
+                        variable.assign(value)
+                return None
+        unbuilt = 1 + isinstance(self.inner_optimizer._learning_rate, keras.Variable)  # iterations, learning rate
+        if self.built and len(saved) in (unbuilt, unbuilt + _EARLIER_LAYOUT_EXTRA):
             return None
-        if len(store.keys()) != len(self.variables):
-            return super().load_own_variables(store)  # Keras's warning
-        for i, variable in enumerate(self.variables):
-            value = np.asarray(store[str(i)])
-            if keeps_replica_values(self._tf_variable(variable)):
-                restore_value(self._tf_variable(variable), value)
-            else:
-                variable.assign(value)
+        return super().load_own_variables(store)  # Keras's warning
+
+    def _fits(self, values, variables):
+        """Whether saved `values` are one per variable, each of its shape (a per-replica state holds
+        every replica's value: `tf_topk.replica_state`)."""
+        return len(values) == len(variables) and all(
+            tuple(np.shape(value)) == tuple(variable.shape) or keeps_replica_values(self._tf_variable(variable))
+            for value, variable in zip(values, variables))
 
     def set_weights(self, weights):
         """As Keras, over `variables`: this optimizer's and then the inner
@@ -364,6 +422,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         config = super().get_config()
         for name in _DELEGATED_CLIPPING:  # the inner optimizer's, in its own config; as earlier versions wrote them
             config[name] = None
+        config["use_ema"] = False  # likewise
         return config
 
     # The inner optimizer's: it scales the loss and unscales the gradients. A LossScaleOptimizer
@@ -381,7 +440,6 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
         grads, trainable_variables = list(grads), list(trainable_variables)
-        _check_gradients(grads, trainable_variables)
         if not self.built:
             if not tf.distribute.has_strategy() and not self.inner_optimizer.built:
                 # Where Keras builds its own optimizer without a strategy: in the traced step, so
@@ -398,22 +456,52 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             self.built = True
         self._check_replica_context("apply")
         self._check_conditional_inner_options()
-        # Keras clips each replica's own gradients, then sums them: so here, before the exchange (the
-        # inner optimizer then applies the sum without clipping again).
-        grads = self._clip_gradients(grads)
-        result = self._exchange_step(grads)
-        self._apply_or_skip(result.all_finite, lambda grads: self._apply_update(grads, trainable_variables),
-                            result.grads)
+        # Keras's own apply, in Keras's order; the exchange is its cross-replica step (_exchanged_update_step).
+        with InnerOverrides(self.inner_optimizer, self._inner_overrides):
+            self.inner_optimizer.apply(grads, trainable_variables)
         return self.iterations
 
+    def _exchanged_update_step(self, grads, trainable_variables, learning_rate):
+        """The inner optimizer's `_backend_update_step` while this optimizer
+        applies through it: the exchange in place of the dense all-reduce.
+
+        Keras's `apply` calls it with each replica's gradients after it has
+        unscaled them (loss_scale_factor), set aside the variables it
+        overwrites with their gradient (float8), clipped them and, with
+        gradient accumulation, averaged the micro-steps: so the exchange sees
+        what Keras's all-reduce would, once per update. The variables'
+        weight decay, which Keras applies just before this step, moves into
+        the branch taken when every replica's gradient is finite, so that a
+        skipped step changes no variable."""
+        positions = [self._get_variable_index(variable) for variable in trainable_variables]
+        in_build_order = [None] * len(self._trainable_variables)
+        for position, grad in zip(positions, grads):
+            in_build_order[position] = grad
+        result = self._exchange_step(in_build_order)
+        exchanged = [result.grads[position] for position in positions]
+
+        def apply(exchanged):
+            type(self.inner_optimizer)._apply_weight_decay(self.inner_optimizer, trainable_variables)
+            self._apply_update(exchanged, positions, trainable_variables, learning_rate)
+            return tf.constant(True)
+
+        self._apply_or_skip(result.all_finite, apply, exchanged)
+
+    def _skip_update(self):
+        """A skipped step: counted, and not counted in the inner optimizer's
+        iterations (Keras adds one after this step), except with gradient
+        accumulation, where the next micro-steps start a new accumulation."""
+        if not self.inner_optimizer.gradient_accumulation_steps:
+            self.inner_optimizer._iterations.assign_sub(1)
+        return super()._skip_update()
+
     def _check_conditional_inner_options(self):
-        """EMA and gradient accumulation put a synchronisation point (a
-        merge_call) inside a cond in the inner optimizer's apply; with several
-        replicas, the wrapper's branch that skips non-finite steps around that
-        apply makes TensorFlow refuse it in a traced step ("merge_call called
-        while defining a new graph"), so they are refused there, by name,
-        before any step (run eagerly, as Keras's own distribute tests do, they
-        work)."""
+        """Gradient accumulation puts the inner optimizer's update step (here:
+        the exchange and its branch that skips non-finite steps, which holds a
+        synchronisation point, a merge_call) inside a cond; with several
+        replicas TensorFlow refuses that in a traced step ("merge_call called
+        while defining a new graph"), so it is refused there, by name, before
+        any step (run eagerly, as Keras's own distribute tests do, it works)."""
         strategy = tf.distribute.get_strategy()
         if strategy.num_replicas_in_sync < 2 or tf.executing_eagerly():
             return
@@ -424,34 +512,34 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             raise ValueError(
                 f"TopKOptimizer with an inner {name}={getattr(inner, name)!r} under {type(strategy).__name__} "
                 f"with {strategy.num_replicas_in_sync} replicas is not supported yet (the inner optimizer's "
-                f"{name} would run a merge_call inside the wrapper's branch that skips non-finite steps; "
+                f"{name} would run a merge_call inside a cond of the traced step; "
                 "Keras's own optimizers fail with it under MirroredStrategy's fit too); it works with one replica")
 
-    def _apply_update(self, grads, trainable_variables):
-        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if isinstance(g, SparseGradient)]
+    def _apply_update(self, grads, positions, trainable_variables, learning_rate):
+        """The exchanged gradients applied: sparse pairs by SGD, Adam's
+        momentum correction's directions, the rest by the inner optimizer's
+        own update step (its dense all-reduce switched off)."""
         directed = self._direction_positions()
-        directions = [(g, v) for i, (g, v) in enumerate(zip(grads, trainable_variables))
-                      if i in directed and g is not None]
-        present = [(g, v) for i, (g, v) in enumerate(zip(grads, trainable_variables))
-                   if g is not None and not isinstance(g, SparseGradient) and i not in directed]
-        # First: the learning rate of this iteration, before the inner apply advances it.
-        if pairs:
-            self._apply_pairs(pairs)
-        if directions:
-            self._apply_directions(directions)
-        with InnerOverrides(self.inner_optimizer, self._inner_overrides):
-            if present:
-                self.inner_optimizer.apply([g for g, _ in present], [v for _, v in present])
+        pairs, directions, present = [], [], []
+        for grad, position, variable in zip(grads, positions, trainable_variables):
+            if isinstance(grad, SparseGradient):
+                pairs.append((grad, variable))
+            elif position in directed:
+                directions.append((grad, variable))
             else:
-                self.inner_optimizer.iterations.assign_add(1)
-        return tf.constant(True)
+                present.append((grad, variable))
+        if pairs:
+            self._apply_pairs(pairs, learning_rate)
+        if directions:
+            self._apply_directions(directions, learning_rate, decay_and_constrain=False)  # Keras's apply does both
+        if present:
+            type(self.inner_optimizer)._backend_update_step(
+                self.inner_optimizer, [g for g, _ in present], [v for _, v in present], learning_rate)
 
-    def _apply_pairs(self, pairs):
+    def _apply_pairs(self, pairs, learning_rate):
         """sparse_updates: plain SGD on the sent entries of each variable,
-        through the strategy's variable update as Keras applies its own."""
-        learning_rate = self.inner_optimizer.learning_rate
-        if self.loss_scale_factor is not None:  # the pairs are of the scaled loss, as the inner apply's gradients
-            learning_rate = learning_rate / self.loss_scale_factor
+        through the strategy's variable update as Keras applies its own (the
+        inner apply then applies each variable's constraint)."""
 
         def update(distribution, pairs):
             for grad, variable in pairs:
@@ -460,9 +548,6 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
 
         tf.__internal__.distribute.interim.maybe_merge_call(update, tf.distribute.get_strategy(),
                                                            [(g, v.value) for g, v in pairs])
-        for _, variable in pairs:
-            if variable.constraint is not None:
-                variable.assign(variable.constraint(variable))
 
     def apply_gradients(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
