@@ -89,8 +89,9 @@ def make_inner(cell):
                                 **CLIPPING[cell["clip"]])
 
 
-def make_variables(cell):
-    variables = [keras.Variable(np.linspace(-1.0, 1.0, 48, dtype=np.float32).reshape(6, 8), name="kernel"),
+def make_variables(cell, kernel):
+    size = int(np.prod(kernel))
+    variables = [keras.Variable(np.linspace(-1.0, 1.0, size, dtype=np.float32).reshape(kernel), name="kernel"),
                  keras.Variable(np.full(3, 0.5, np.float32), name="bias")]
     if cell["overwritten"]:
         amax = keras.Variable(np.ones(4, np.float32), name="amax_history", trainable=True)
@@ -99,41 +100,43 @@ def make_variables(cell):
     return variables
 
 
-def gradients(cell, step, replica):
+def gradients(cell, step, replica, kernel):
     """This replica's gradients at `step`, as `fit` hands them (scaled by the loss scale factor);
     some large enough to be clipped, the overwritten variable's a new value."""
     rng = np.random.default_rng(100 * step + replica)
     scale = cell["loss_scale_factor"] or 1.0
-    grads = [rng.normal(0.0, 0.3 + step % 3, (6, 8)).astype(np.float32) * scale,
+    grads = [rng.normal(0.0, 0.3 + step % 3, kernel).astype(np.float32) * scale,
              rng.normal(0.0, 0.2, 3).astype(np.float32) * scale]
     if cell["overwritten"]:
         grads.append((rng.uniform(0.5, 3.0, 4)).astype(np.float32))
     return grads
 
 
-def run(cell, wrap, strategy=None):
-    """The variables (and the EMA) after STEPS steps of Keras alone or wrapped at density 1.0."""
+def run(cell, wrap, strategy=None, kernel=(6, 8)):
+    """The variables (and the EMA) after STEPS steps of Keras alone (wrap None) or wrapped (wrap: the
+    wrapper's options); the optimizer built first, as `fit` builds it."""
     scope = strategy.scope() if strategy is not None else tf.init_scope()
     with scope:
-        variables = make_variables(cell)
+        variables = make_variables(cell, kernel)
         optimizer = make_inner(cell)
-        if wrap:
+        if wrap is not None:
             optimizer = tf_topk.TopKOptimizer(optimizer, **wrap)
+        optimizer.build(variables)
     for step in range(STEPS):
         if strategy is None:
-            optimizer.apply([tf.constant(g) for g in gradients(cell, step, 0)], variables)
+            optimizer.apply([tf.constant(g) for g in gradients(cell, step, 0, kernel)], variables)
         else:
             def replica_step():
                 replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-                per_replica = [gradients(cell, step, r) for r in range(REPLICAS)]
+                per_replica = [gradients(cell, step, r, kernel) for r in range(REPLICAS)]
                 grads = [tf.gather(tf.constant(np.stack([g[i] for g in per_replica])), replica)
                          for i in range(len(per_replica[0]))]
                 optimizer.apply(grads, variables)
 
             strategy.run(replica_step)
-    inner = optimizer.inner_optimizer if wrap else optimizer
+    inner = optimizer.inner_optimizer if wrap is not None else optimizer
     ema = [v.numpy() for v in inner._model_variables_moving_average if v is not None] if cell["use_ema"] else []
-    return [v.numpy() for v in variables] + ema + [int(optimizer.iterations.numpy())]
+    return [v.numpy() for v in variables] + ema + [int(optimizer.iterations.numpy())], optimizer
 
 
 def assert_same(wrapped, alone):
@@ -145,22 +148,39 @@ def assert_same(wrapped, alone):
 EVERY_VARIABLE_TOPK = {"density": 1.0, "min_size": 1}
 
 
-@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
-def test_inner_options_combined_act_as_keras_on_one_device(cell):
-    assert_same(run(cell, EVERY_VARIABLE_TOPK), run(cell, None))
-
-
-@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
-def test_inner_options_combined_act_as_keras_on_two_replicas(cell):
+def strategy_of(replicas):
+    if replicas == 1:
+        return None
     strategy = two_replicas()
     if strategy.num_replicas_in_sync != REPLICAS:
         pytest.skip("TensorFlow started before this module made its logical CPUs")
-    assert_same(run(cell, EVERY_VARIABLE_TOPK, strategy), run(cell, None, strategy))
+    return strategy
 
 
-@pytest.mark.parametrize("cell", [c for c in CELLS if not c["use_ema"]][:3], ids=cell_id)
-def test_the_default_plans_dense_on_one_device_and_then_acts_as_keras(cell):
-    assert_same(run(cell, {}), run(cell, None))
+@pytest.mark.parametrize("replicas", [1, REPLICAS], ids=["one device", "two replicas"])
+@pytest.mark.parametrize("cell", CELLS, ids=cell_id)
+def test_inner_options_combined_act_as_keras(cell, replicas):
+    strategy = strategy_of(replicas)
+    assert_same(run(cell, EVERY_VARIABLE_TOPK, strategy)[0], run(cell, None, strategy)[0])
+
+
+@pytest.mark.parametrize("replicas", [1, REPLICAS], ids=["one device", "two replicas"])
+@pytest.mark.parametrize("cell", [c for c in CELLS if not c["use_ema"] and not c["gradient_accumulation_steps"]][:2]
+                         + [c for c in CELLS if c["gradient_accumulation_steps"]][:1], ids=cell_id)
+def test_the_default_acts_as_keras_where_it_plans_dense(cell, replicas):
+    """The default (no density) on a kernel of min_size entries: the autopilot measures the replicas and
+    plans. One device always plans dense; on two replicas what it plans is what this machine measured:
+    dense must then equal Keras alone, and a plan that sends pairs must still train every cell."""
+    strategy = strategy_of(replicas)
+    kernel = (64, 80)  # 5,120 entries: above the default min_size, so the autopilot plans
+    wrapped, optimizer = run(cell, {}, strategy, kernel)
+    route = optimizer.exchange.autopilot_plan.dense_route()
+    if replicas == 1:
+        assert route == "dense"
+    if route == "dense":
+        assert_same(wrapped, run(cell, None, strategy, kernel)[0])
+    else:
+        assert all(np.isfinite(w).all() for w in wrapped[:-1]) and wrapped[-1] == run(cell, None, strategy, kernel)[0][-1]
 
 
 def test_the_cells_cover_every_pair_of_option_values():
