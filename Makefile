@@ -1,5 +1,7 @@
 # make demo  - set up, then run the main job
 # make test  - set up, then run every test
+# make test-fast - the tier for every edit: every test not marked `slow`
+# make coverage  - every test under coverage.py, then line coverage of tf_topk/
 # Set-up is idempotent: .venv is created if missing, requirements installed
 # once (again when requirements.txt changes), the op library rebuilt when a
 # source under cc/ changes.
@@ -12,7 +14,7 @@ LIBRARY := tf_topk/_tf_topk_ops.so
 CC_SOURCES := $(shell find cc -name '*.cc' -o -name '*.h' -o -name '*.cuh' -o -name '*.py')
 PYTEST_ARGS ?=
 
-.PHONY: setup build test demo bench gpu-check clean
+.PHONY: setup build test test-fast coverage demo bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +32,25 @@ setup: $(INSTALLED) $(LIBRARY)
 
 build: setup
 
+# Two pytest processes (each test file whole in one), then the `timing` tests alone (tests/conftest.py);
+# exit status 5 is "no test selected", where PYTEST_ARGS selects none of one part.
+PARALLEL := -n 2 --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PARALLEL) -m "not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest -q -m timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+test-fast: setup
+	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# Worker processes measure themselves too (pyproject.toml's [tool.coverage.run]).
+coverage: setup
+	$(PY) -m pip install --quiet "coverage>=7.10"
+	rm -f .coverage .coverage.*
+	$(PY) -m coverage run -m pytest -q $(PARALLEL) -m "not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m coverage run -m pytest -q -m timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m coverage combine --quiet
+	$(PY) -m coverage report --skip-empty
 
 demo: setup
 	$(PY) examples/demo.py --workers 2 --density 0.01 --epochs 10

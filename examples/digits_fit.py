@@ -78,35 +78,49 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def make_strategy(args):
+    """MultiWorkerMirroredStrategy under TF_CONFIG, MirroredStrategy over --logical-cpus, else the default.
+
+    Made once per process (TensorFlow's collectives are configured at start-up); `train` can then run
+    several times under it.
+    """
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import numpy as np
     import tensorflow as tf
+
+    import tf_topk
 
     if args.logical_cpus:
         cpu = tf.config.list_physical_devices("CPU")[0]
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration()] * args.logical_cpus)
+    if "TF_CONFIG" in os.environ:
+        tf_topk.keras.apply_mwms_fix()  # keras#20585, also for the dense baseline
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    if args.logical_cpus:
+        return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.logical_cpus)])
+    return tf.distribute.get_strategy()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    train(args, make_strategy(args))
+    return 0
+
+
+def train(args, strategy):
+    """Train, test and report as the module's docstring says; returns the result written to --out."""
     import keras
+    import numpy as np
 
     import tf_topk
     from tf_topk.bench.data import load_data
 
-    if "TF_CONFIG" in os.environ:
-        tf_topk.keras.apply_mwms_fix()  # keras#20585, also for the dense baseline
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    elif args.logical_cpus:
-        strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.logical_cpus)])
-    else:
-        strategy = tf.distribute.get_strategy()
     task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
     worker = int(task.get("index", 0))
     chief = worker == 0
     replicas = strategy.num_replicas_in_sync
 
-    if args.mixed_precision:
-        keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.mixed_precision.set_global_policy("mixed_float16" if args.mixed_precision else "float32")
     x_train, y_train, x_test, y_test = load_data(args.dataset, args.seed)
     keras.utils.set_random_seed(args.seed)
     with strategy.scope():
@@ -182,7 +196,7 @@ def main(argv=None):
         with open(os.path.join(args.out, f"worker{worker}.json"), "w") as f:
             json.dump(result, f, indent=1)
         np.savez(os.path.join(args.out, f"worker{worker}.npz"), *[w for w in model.get_weights()])
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -116,6 +116,7 @@ RUNS = [f"{api}/{mode}" for api in ("keras", "tf_keras") for mode in ("allgather
 REFERENCE_MODE = {"allgather": "allgather", "allreduce": "allreduce", "auto": "allgather"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label", RUNS)
 def test_two_replicas_match_numpy_over_warmup_freeze_and_sparse_steps(data, label):
     mode = REFERENCE_MODE[label.split("/")[1]]
@@ -159,6 +160,7 @@ def test_the_two_wrappers_agree(data):
                                        atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [2, 3, 4])
 def test_auto_takes_the_route_of_error_feedback_after_the_warmup(tmp_path, replicas):
     """One routing rule for every memory: after its dense warm-up, Adam's momentum correction travels
@@ -186,6 +188,7 @@ def compile_fit(model, optimizer, x, y, epochs=1):
     return model.fit(x, y, epochs=epochs, batch_size=64, verbose=0, shuffle=False)
 
 
+@pytest.mark.slow
 def test_during_the_warmup_it_is_keras_adamw():
     x, y = digits(512)
     dense, ours = mlp(), mlp()
@@ -211,6 +214,7 @@ def test_it_is_opt_in_for_adam_and_reads_the_inner_optimizer(make_inner):
     assert not sgd.momentum_correction  # SGD's stays opt-in
 
 
+@pytest.mark.slow
 def test_sparse_steps_train_better_than_error_feedback_in_front_of_adam():
     """On digits at 0.1% (128 steps, 32 of them dense for the correction), Adam's correction reaches
     a training loss well below top-k + EF + Adam's (measured: 0.54 against 1.80)."""
@@ -225,6 +229,7 @@ def test_sparse_steps_train_better_than_error_feedback_in_front_of_adam():
     assert losses[True] < 0.5 * losses[False], losses
 
 
+@pytest.mark.slow
 def test_keras_file_and_checkpoint_restore_the_state_exactly(tmp_path):
     x, y = digits(512)
     model = mlp()
@@ -252,6 +257,7 @@ def test_keras_file_and_checkpoint_restore_the_state_exactly(tmp_path):
         np.testing.assert_array_equal(restored.numpy(), expected)
 
 
+@pytest.mark.slow
 def test_mixed_precision_trains():
     x, y = digits(512)
     keras.mixed_precision.set_global_policy("mixed_float16")

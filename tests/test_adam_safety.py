@@ -62,6 +62,7 @@ def rows_first_seen_after(optimizer, warmup_batches=110, later_batches=20, batch
     return float(np.abs(model.layers[0].get_weights()[0][64:] - before).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_rows_first_seen_after_the_warmup_move_as_adam_moves_them(name):
     """Embedding rows of tokens first seen after 110 steps (past the default 100-step warm-up of
@@ -91,6 +92,7 @@ def dense_then_wrapped(config, steps_before=30):
     return moves
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_model_trained_densely_then_wrapped_takes_an_adam_sized_step(name):
     """The inner Adam's iterations (30) are past the correction's warm-up (20): keyed on them, the
@@ -100,6 +102,7 @@ def test_a_model_trained_densely_then_wrapped_takes_an_adam_sized_step(name):
     assert wrapped <= AT_MOST * plain, (wrapped, plain)
 
 
+@pytest.mark.slow
 def test_a_dense_adam_checkpoint_restored_then_wrapped_warms_up_again(tmp_path):
     """A checkpoint of a model trained by plain Adam (iterations 30), restored into the Adam then
     wrapped with the correction: the memory's own counter starts at 0, so it warms up."""

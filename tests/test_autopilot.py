@@ -86,6 +86,7 @@ def test_advise_command_describes_a_cluster(tmp_path):
     assert proc.returncode == 2 and "--params must be >= 1, got 0" in proc.stderr
 
 
+@pytest.mark.timing
 def test_advise_command_calibrates_this_machine():
     proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "500000", "--workers", "2",
                  "--calibrate", "--budget", "1"])
@@ -94,6 +95,7 @@ def test_advise_command_calibrates_this_machine():
     assert "fastest route at a fixed density: density 0.1 -> " in proc.stdout and "\nautopilot: " in proc.stdout
 
 
+@pytest.mark.slow
 def test_one_replica_plans_every_entry_dense_without_measuring(capsys):
     import tensorflow as tf
 
@@ -114,6 +116,7 @@ def test_one_replica_plans_every_entry_dense_without_measuring(capsys):
     assert traced[0].model == dataclasses.replace(CostModel.from_link(1, ASSUMED_LINK), agreed_slots=2)
 
 
+@pytest.mark.timing
 def test_any_model_size_trains_with_the_default_under_two_replicas(tmp_path):
     """No sparsifiable variable (a 161-parameter model): the dense plan, nothing measured, one line
     saying so (it was "fitting a link needs at least two different sizes"); one variable of exactly
@@ -260,6 +263,7 @@ def test_no_density_given_is_the_autopilot_where_it_can_choose_route_and_density
         tf_topk.ExchangeConfig(density="autopilot", exchange_mode="allgather")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_where_every_entry_goes_dense_momentum_correction_is_momentum_sgd(nesterov):
     """One replica, the default density: every entry is sent, so the velocities are kept whole, even
@@ -303,6 +307,7 @@ def test_autopilot_is_a_density_that_saves_as_itself():
         tf_topk.ExchangeConfig(density="auto")
 
 
+@pytest.mark.timing
 def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_loads_in_a_new_process(tmp_path):
     """TopKOptimizer(SGD) with no density: the autopilot, measured when fit builds the optimizer, and its
     plan saved with the model."""

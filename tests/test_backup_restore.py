@@ -109,6 +109,7 @@ def test_argument_errors(bad, message):
     assert message in str(e.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topk", [False, True], ids=["dense", "topk"])
 @pytest.mark.parametrize("save_freq, resume_at", [("epoch", (2, 0)), (3, (2, 5))], ids=["epoch", "3-batches"])
 def test_resume_after_a_crash_ends_as_an_uninterrupted_run(topk, save_freq, resume_at, digits, tmp_path):
@@ -155,6 +156,7 @@ def unknown_cardinality(data):
     return (dataset,)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topk", [False, True], ids=["dense", "topk"])
 @pytest.mark.parametrize("steps", ["known", "unknown"])
 def test_a_backup_at_an_epochs_last_batch_resumes_at_the_next_epoch(steps, topk, digits, tmp_path):
@@ -312,6 +314,7 @@ def test_delete_checkpoint_keeps_files_that_are_not_its_own(digits, tmp_path):
     assert os.listdir(deleted) == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_digits_example_backs_up_and_cleans_up(tmp_path):
     backup_dir = tmp_path / "backup"
     env = {**os.environ, **worker_env()}

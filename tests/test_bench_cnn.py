@@ -46,6 +46,7 @@ def test_k_floor_trial_sends_at_least_the_floor_of_every_variable():
     assert row["sent_density"] == pytest.approx(sent / sum(sizes), abs=1e-5), row
 
 
+@pytest.mark.slow
 def test_k_floor_trial_names_a_bad_floor():
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "0"],
@@ -67,6 +68,7 @@ def test_dense_warmup_trial_sends_every_entry_then_the_density():
         schedule.dgc_warmup = original
 
 
+@pytest.mark.slow
 def test_dense_warmup_trial_names_a_bad_fraction():
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "dense_warmup_trial.py"),

@@ -1,4 +1,7 @@
-"""`python -m tf_topk.bench convergence`: the random-k baseline, and a tiny run with a plot."""
+"""`python -m tf_topk.bench convergence`: the random-k baseline, and a tiny run with a plot.
+
+Runs of one replica call the command's `main` in this process; runs of several replicas (logical CPUs,
+made before TensorFlow starts) and one bad argument go through the command line."""
 
 import argparse
 import json
@@ -151,18 +154,23 @@ def test_adam_runs_error_feedback_without_and_topk_mc_with_adams_correction(opti
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dataset", ["digits", "synthetic"])
-def test_tiny_run_json_and_plot(tmp_path, dataset):
+def test_tiny_run_json_and_plot(tmp_path, dataset, capsys):
     png = tmp_path / "curves.png"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    argv = [sys.executable, "-m", "tf_topk.bench", "convergence", "--dataset", dataset, "--seeds", str(SEEDS),
-            "--epochs", str(EPOCHS), "--densities", ",".join(map(str, DENSITIES)), "--hidden", str(HIDDEN),
-            "--density-warmup-steps", "0", "--json", "--plot", str(png)]  # each density from the first step
-    proc = subprocess.run(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    check_result(json.loads(proc.stdout), dataset, png)
+    result = convergence_in_process(capsys, "--dataset", dataset, "--seeds", str(SEEDS), "--epochs", str(EPOCHS),
+                                    "--densities", ",".join(map(str, DENSITIES)), "--hidden", str(HIDDEN),
+                                    "--density-warmup-steps", "0",  # each density from the first step
+                                    "--json", "--plot", str(png))
+    check_result(result, dataset, png)
+
+
+def convergence_in_process(capsys, *args):
+    """`python -m tf_topk.bench convergence ARGS --json`'s result, run by this process (the one TensorFlow
+    start-up of the test session serves every run of one replica; `main` is what the command line calls)."""
+    from tf_topk.bench import convergence
+
+    capsys.readouterr()
+    assert convergence.main(list(args)) == 0
+    return json.loads(capsys.readouterr().out)
 
 
 def run_convergence(*args, timeout=240):
@@ -174,12 +182,10 @@ def run_convergence(*args, timeout=240):
 
 
 @pytest.mark.slow
-def test_shapes_cnn_with_momentum_correction_and_warmup(tmp_path):
-    proc = run_convergence("--dataset", "shapes", "--seeds", "1", "--epochs", "3", "--densities", "0.01",
-                           "--methods", "topk_ef,topk_mc", "--warmup-epochs", "1", "--learning-rate", "0.02",
-                           "--json", "--plot", str(tmp_path / "curves.png"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout)
+def test_shapes_cnn_with_momentum_correction_and_warmup(tmp_path, capsys):
+    result = convergence_in_process(capsys, "--dataset", "shapes", "--seeds", "1", "--epochs", "3", "--densities",
+                                    "0.01", "--methods", "topk_ef,topk_mc", "--warmup-epochs", "1", "--learning-rate",
+                                    "0.02", "--json", "--plot", str(tmp_path / "curves.png"))
     assert result["model"] == "CNN conv16-conv32-64-10" and result["warmup_epochs"] == 1
     # conv 16*9+16, conv 32*16*9+32, dense 512*64+64, output 64*10+10
     assert result["params"] == 160 + 4640 + 32832 + 650
@@ -195,14 +201,13 @@ def test_shapes_cnn_with_momentum_correction_and_warmup(tmp_path):
 
 
 @pytest.mark.slow
-def test_signals_1d_cnn_with_and_without_momentum_factor_masking():
+def test_signals_1d_cnn_with_and_without_momentum_factor_masking(capsys):
     """The 1-D CNN on the generated waveforms; --masking turns DGC's masking on for topk_mc (off by default)."""
     results = {}
     for extra in ([], ["--masking"]):
-        proc = run_convergence("--dataset", "signals", "--seeds", "1", "--epochs", "2", "--densities", "0.01",
-                               "--methods", "topk_mc", "--learning-rate", "0.02", "--json", *extra)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results[bool(extra)] = result = json.loads(proc.stdout)
+        results[bool(extra)] = result = convergence_in_process(
+            capsys, "--dataset", "signals", "--seeds", "1", "--epochs", "2", "--densities", "0.01", "--methods",
+            "topk_mc", "--learning-rate", "0.02", "--json", *extra)
         assert result["model"] == "1-D CNN conv32-conv64-conv64-256-10" and result["momentum_masking"] is bool(extra)
         # convs 5*1*32+32, 5*32*64+64, 5*64*64+64, dense 512*256+256, output 256*10+10
         assert result["params"] == 192 + 10304 + 20544 + 131328 + 2570
@@ -213,13 +218,12 @@ def test_signals_1d_cnn_with_and_without_momentum_factor_masking():
     assert results[False]["configs"][1]["train_loss_mean"] != results[True]["configs"][1]["train_loss_mean"]
 
 
-def test_adaptive_run_counts_bytes_per_worker_and_draws_bytes_to_accuracy(tmp_path):
+@pytest.mark.slow
+def test_adaptive_run_counts_bytes_per_worker_and_draws_bytes_to_accuracy(tmp_path, capsys):
     png = tmp_path / "bytes.png"
-    proc = run_convergence("--seeds", "1", "--epochs", "2", "--densities", "0.1,0.01", "--methods", "topk_ef",
-                           "--hidden", str(HIDDEN), "--adaptive", "--workers", "4", "--json", "--bytes-plot", str(png),
-                           "--density-warmup-steps", "0")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout)
+    result = convergence_in_process(capsys, "--seeds", "1", "--epochs", "2", "--densities", "0.1,0.01", "--methods",
+                                    "topk_ef", "--hidden", str(HIDDEN), "--adaptive", "--workers", "4", "--json",
+                                    "--bytes-plot", str(png), "--density-warmup-steps", "0")
     rows = {(r["method"], r["density"]): r for r in result["configs"]}
     assert list(rows) == [("dense", None), ("topk_ef", 0.1), ("topk_ef", 0.01), ("adaptive", None)]
     steps = 2 * math.ceil(1437 / 32)  # digits' training split, batch 32
@@ -238,6 +242,7 @@ def test_adaptive_run_counts_bytes_per_worker_and_draws_bytes_to_accuracy(tmp_pa
     assert png.read_bytes()[:8] == PNG_SIGNATURE
 
 
+@pytest.mark.slow
 def test_several_replicas_per_run_exchange_by_the_mode_asked(tmp_path):
     """--replicas 2: MirroredStrategy over two logical CPUs, each replica its
     half of the batch and its own residuals; the pairs travel by
@@ -262,6 +267,7 @@ def test_several_replicas_per_run_exchange_by_the_mode_asked(tmp_path):
     assert two["configs"][1]["test_accuracy_per_seed"] != one["configs"][1]["test_accuracy_per_seed"]
 
 
+@pytest.mark.slow
 def test_cnn_over_eight_replicas_tests_a_split_that_leaves_a_replica_no_sample(tmp_path):
     """shapes' 750 test samples end in a batch of 14, fewer than 8 replicas:
     under `fit`'s own validation one replica gets no sample, which TensorFlow's
@@ -317,21 +323,33 @@ def test_the_test_at_each_epochs_end_scores_as_keras_evaluate_does():
     (("--density-warmup-steps", "many"), r"--density-warmup-steps: must be 'auto' or an integer >= 0, got 'many'"),
     (("--density-warmup-steps", "100", "--warmup-epochs", "4"), "--density-warmup-steps warms up a fixed density"),
 ])
-def test_bad_arguments_are_refused_before_training(args, message):
-    proc = run_convergence(*args, timeout=60)
+def test_bad_arguments_are_refused_before_training(args, message, capsys):
+    """convergence.main, as the command line calls it: argparse's exit 2 and the message, no output."""
+    from tf_topk.bench import convergence
+
+    with pytest.raises(SystemExit) as exit_info:
+        convergence.main(list(args))
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == ""
+    assert re.search(message, captured.err), captured.err[-2000:]
+
+
+@pytest.mark.slow
+def test_the_command_line_refuses_a_bad_argument_with_exit_2():
+    """`python -m tf_topk.bench convergence` reaches the same checks (one case; the rest run in-process)."""
+    proc = run_convergence("--workers", "1", timeout=60)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert re.search(message, proc.stderr), proc.stderr[-2000:]
+    assert "--workers must be >= 2" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_time_to_accuracy_charges_each_step_its_predicted_exchange(tmp_path):
+@pytest.mark.slow
+def test_time_to_accuracy_charges_each_step_its_predicted_exchange(tmp_path, capsys):
     """Two epochs of digits, one seed: every step of dense costs the measured compute plus a ring all-reduce
     of every parameter at 100 Mbit/s and 4 workers; top-k's its selection and pairs; the autopilot runs
     the plan for each stated link."""
-    proc = run_convergence("--epochs", "2", "--seeds", "1", "--densities", "0.001", "--methods", "topk_ef",
-                           "--time-links", "100mbit,10gbit", "--autopilot", "--json", "--density-warmup-steps", "0",
-                           "--time-plot", str(tmp_path / "time.png"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout)
+    result = convergence_in_process(capsys, "--epochs", "2", "--seeds", "1", "--densities", "0.001", "--methods",
+                                    "topk_ef", "--time-links", "100mbit,10gbit", "--autopilot", "--json",
+                                    "--density-warmup-steps", "0", "--time-plot", str(tmp_path / "time.png"))
     assert result["time_plot"] == str(tmp_path / "time.png") and (tmp_path / "time.png").stat().st_size > 10_000
     timing = result["time_to_accuracy"]
     dense, topk, pilot_slow, pilot_fast = result["configs"]

@@ -165,6 +165,7 @@ def test_bad_calibration_counts_are_refused_by_name(capsys):
     assert "--calibrations must be >= 0, got -1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_calibrations_measure_the_link_again_and_again_and_leave_nothing():
     """`--calibrations 2`: no training, the autopilot's measurement twice on two workers (in
     namespaces at 1 Gbit/s where root allows), every worker fitting the same links each time."""
@@ -399,6 +400,7 @@ def test_cleanup_removes_leftovers_of_a_dead_run_only():
     assert not _our_namespaces(run_id) and not _our_namespaces(run_id + "l")
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 @pytest.mark.skipif(not USE_NETNS, reason="needs root, ip and tc (network namespaces)")
 def test_autopilot_sends_little_on_a_slow_link_and_bf16_halves_the_dense_bytes():

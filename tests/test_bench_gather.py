@@ -1,5 +1,6 @@
 """`python -m tf_topk.bench gather`: both ways of gathering timed on real workers, and its argument errors."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -15,6 +16,7 @@ def _bench(*args, timeout=180):
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_gather_bench_times_both_ways_on_two_workers():
     proc = _bench("--workers", "2", "--lengths", "100,3000", "--rounds", "3", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,6 +8,7 @@ from tf_topk.bench import __main__ as bench_main
 from tf_topk.bench import scale
 
 
+@pytest.mark.slow
 def test_scale_measures_each_mode_and_projects_larger_clusters(capsys):
     argv = ["scale", "--workers", "2,3", "--size", "10000", "--small", "100", "--density", "0.03", "--steps", "1",
             "--json"]

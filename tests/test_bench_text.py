@@ -124,6 +124,7 @@ def test_steps_are_only_for_the_text_task(capsys):
     assert "--steps and --eval-every are for --dataset text" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_tiny_text_run_reports_validation_loss_per_byte(capsys):
     from tf_topk.bench import convergence
 

@@ -203,6 +203,7 @@ def test_densifying_is_never_read_as_free():
     assert calibrate._time_compute(1 << 12, 49_152)[2] > 0
 
 
+@pytest.mark.timing
 def test_calibration_under_mirrored_strategy(tmp_path):
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
@@ -223,6 +224,7 @@ def _check_trial(found):
     assert "top-9,000 " in found["line"]
 
 
+@pytest.mark.timing
 def test_the_trial_times_both_steps_whole_under_mirrored_strategy(tmp_path):
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
@@ -235,6 +237,7 @@ def test_the_trial_times_both_steps_whole_under_mirrored_strategy(tmp_path):
     assert "retracing" not in proc.stderr
 
 
+@pytest.mark.timing
 def test_two_workers_agree_on_the_slowest_numbers(tmp_path):
     assert_ok(run_script("calibrate_worker.py", str(tmp_path), "workers", "trial"))
     first, second = _read(tmp_path, 0), _read(tmp_path, 1)
@@ -254,6 +257,7 @@ def test_two_workers_agree_on_the_slowest_numbers(tmp_path):
     assert first["model"]["all_reduce"]["seconds_per_byte"] == pytest.approx(max(m.seconds_per_byte for m in mine))
 
 
+@pytest.mark.timing
 def test_a_worker_that_starts_late_takes_the_same_branches(tmp_path):
     """Worker 1 calibrates 4 s after worker 0, within a 3 s budget: whether to time the dense
     all-reduce is decided on the slowest worker's clock, agreed, so both run the same collectives
@@ -334,6 +338,7 @@ print(json.dumps({"peak": tf.config.experimental.get_memory_info("CPU:0")["peak"
 """
 
 
+@pytest.mark.slow
 def test_the_calibrations_memory_is_a_few_gradients_a_replica_and_none_is_kept():
     """At its peak (the trial: the dense all-reduce and two sparse steps timed in turn) the calibration
     holds the model's gradient at most 7 times per replica (measured: 6.2 with 2 replicas on logical
@@ -390,6 +395,7 @@ def _calibrate_on_scripted_timings(formula, entries, budget_s):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("growth", [0.0, 0.001])
 def test_a_flat_line_is_timed_on_larger_sizes_then_never_read_as_a_free_link(growth):
     """A model of 300 entries times sizes 256 and 300 only. Where each timed no slower than the
@@ -445,6 +451,7 @@ def test_rounds_stop_where_the_next_would_overrun_their_time_and_one_always_runs
     assert [len(t) for t in _interleaved_times([call], 4, within_s=0.001)] == [1]
 
 
+@pytest.mark.slow
 def test_the_all_reduce_reaches_a_size_whose_bytes_show_where_every_call_costs_25_ms():
     """A call of 25 ms whatever its size (8 workers on two cores) left the all-reduce, with a third of a
     2 s budget and 6 calls of every size, no size whose bytes were half its time (its rate read

@@ -53,6 +53,7 @@ def test_logs_and_tensorboard_scalars(tmp_path):
     assert all(0 < value < 1 - k / d for _, value in scalars["topk/contraction"])
 
 
+@pytest.mark.slow
 def test_step_timer_times_every_training_batch_and_nothing_else():
     """One wall time per training batch (evaluation batches are not steps), each the batch's own."""
     timer = StepTimer()

@@ -4,6 +4,7 @@ Two real workers through the launcher, each importing TensorFlow (which logs abs
 oneDNN's line whatever TF_CPP_MIN_LOG_LEVEL says), then printing a line and a warning of its own.
 """
 
+import pytest
 import importlib.util
 import io
 import sys
@@ -20,6 +21,7 @@ def load_demo():
     return demo
 
 
+@pytest.mark.slow
 def test_the_demo_shows_the_workers_lines_without_tensorflows_start_up_log():
     demo = load_demo()
     shown = io.StringIO()

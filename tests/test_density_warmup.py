@@ -130,6 +130,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas", [3, 6])
 def test_auto_routes_the_warmup_as_any_falling_schedule(replicas):
     """Under exchange_mode="auto" the warm-up never sends more than the dense all-reduce: on 3
@@ -154,6 +155,7 @@ def _model(seed=0):
     return keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
 
 
+@pytest.mark.slow
 def test_the_keras_wrapper_warms_up_on_its_iterations_and_saves_the_option(tmp_path):
     x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
     y = np.arange(256) % 10

@@ -255,6 +255,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_kept_buffers_are_bounded_and_a_repeated_step_allocates_none():
     """The kernel recycles `remaining` for a step repeated at one size, and
     keeps nothing once the size changes: eager calls of several sizes (one

@@ -59,6 +59,7 @@ def two_replicas(tmp_path_factory):
     return proc.stdout, load_json(path)
 
 
+@pytest.mark.slow
 def test_two_replicas_learn(two_replicas):
     stdout, summary = two_replicas
     assert summary["replicas"] == 2
@@ -91,6 +92,7 @@ def test_sparse_exchange_sends_less(two_replicas):
     assert "bytes sent per step and replica:" in stdout
 
 
+@pytest.mark.slow
 def test_two_replicas_match_one_at_full_density(tmp_path):
     # At density 1 everything is sent, so two replicas summing half-batch
     # gradients must train like one replica on the whole batch. A second
@@ -108,6 +110,7 @@ def test_two_replicas_match_one_at_full_density(tmp_path):
         assert a["accuracy"] == pytest.approx(b["accuracy"], abs=0.02)
 
 
+@pytest.mark.slow
 def test_one_replica_with_adam():
     proc = run_example("--optimizer", "adam", "--epochs", 3, "--steps", 10)
     check_ok(proc)
@@ -155,6 +158,7 @@ def test_logical_cpus_refused_under_tf_config():
     assert proc.returncode == 2 and "--logical-cpus is for single-process runs" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_failed_download_says_so(tmp_path):
     # A proxy on a closed port makes the download fail at once, with or without internet.
     proxy = "http://127.0.0.1:9"

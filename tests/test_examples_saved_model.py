@@ -67,6 +67,7 @@ def runs(tmp_path_factory):
     return export, stdout, summaries
 
 
+@pytest.mark.slow
 def test_resume_restores_weights_step_and_residuals(runs):
     export, stdout, s = runs
     train, resume1 = s["train"], s["resume1"]
@@ -100,6 +101,7 @@ def test_loss_keeps_decreasing(runs):
     assert s["resume2"]["dataset_loss"] < s["train"]["dataset_loss"]
 
 
+@pytest.mark.slow
 def test_load_without_import_explains(runs):
     export = runs[0]
     code, out, err = finish(start("resume", "--steps", 1, "--export", export, "--no-import"))

@@ -123,6 +123,7 @@ def data(tmp_path_factory):
         return dict(saved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("label, buckets", [("one_bucket", 1), ("per_variable", len(SPARSE))])
 def test_bucket_count(data, label, buckets):
     assert int(data[f"{label}/num_buckets"]) == buckets
@@ -251,6 +252,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sparse_output", [False, True])
 def test_a_non_finite_replica_makes_every_replica_keep_its_residual(sparse_output, tmp_path):
     """The finite flag travels with the pairs: the finite replicas learn about
@@ -328,6 +330,7 @@ def three_replicas(tmp_path_factory):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sparse_output", [False, True])
 def test_densification_sums_the_replicas_in_replica_order(three_replicas, sparse_output):
     """Every replica sums the gathered pairs one replica at a time, replica 0

@@ -177,11 +177,13 @@ def local_results(tmp_path_factory):
     return [data] * REPLICAS
 
 
+@pytest.mark.slow
 def test_three_replicas_in_one_process_match_numpy(local_results):
     check_against_reference(local_results)
     check_bitwise_identical(local_results)
 
 
+@pytest.mark.slow
 def test_three_worker_processes_match_numpy_and_agree_bitwise(tmp_path):
     result = run_script("agreed_replicas.py", tmp_path, json.dumps(CONFIG), workers=REPLICAS, timeout=110)
     assert_ok(result)
@@ -321,6 +323,7 @@ def test_one_replica_sends_nothing_and_keeps_the_residual():
         np.testing.assert_array_equal(exchange.residuals[0].numpy() + sent, grad.numpy())
 
 
+@pytest.mark.slow
 def test_keras_fit_on_three_replicas_switches_from_dense_to_agreed_indices(tmp_path):
     """TopKOptimizer with exchange_mode="auto" under model.fit: a warm-up density above
     1/2 goes dense, then agreed indices, with momentum correction; the

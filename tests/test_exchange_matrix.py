@@ -376,6 +376,7 @@ def check_state(strategy, variables, expected, where):
                                        err_msg=f"{where}: replica {r} variable {v}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas, mode, sparse_output, memory, layout, density, scope", cells())
 def test_exchange_matches_numpy(strategies, replicas, mode, sparse_output, memory, layout, density, scope):
     """Every step: each replica's results, bitwise the same on all, and its own
@@ -433,6 +434,7 @@ def read_locals(strategy, variables):
     return [[local.numpy().reshape(-1) for local in strategy.experimental_local_results(v)] for v in variables]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replicas, sparse_output, memory, layout, link", [
     pytest.param(p, sparse_output, memory, layout, link,
                  id=f"P{p}-{'sparse' if sparse_output else 'dense'}-{memory}-{layout}-{link}")

@@ -131,6 +131,7 @@ def test_dense_gradients_ride_in_the_all_gather_while_the_extra_bytes_are_small(
     assert carry_in_gather(DENSE_CARRY_BYTES // 4, 3) and not carry_in_gather(DENSE_CARRY_BYTES, 3)
 
 
+@pytest.mark.slow
 def test_all_gather_route_with_two_replicas_sums_pairs_and_dense_tensors(tmp_path):
     """Two replicas (MirroredStrategy over two logical CPUs, in a fresh process):
     each sends its own pairs; both get the same dense sum, and the carried
@@ -222,6 +223,7 @@ def test_random_k_exchange_sends_k_random_entries_with_error_feedback():
     assert abs(float(result.stats["contraction"]) - (1 - k / n)) < 0.05
 
 
+@pytest.mark.slow
 def test_a_new_route_plugs_into_the_exchange(tmp_path):
     """A route in a few lines (each replica applies its own top-k, sending
     nothing), two replicas: each gets its own selection back, while the

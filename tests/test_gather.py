@@ -1,5 +1,6 @@
 """`tf_topk.gather.all_gather_rows`: TensorFlow's all_gather result in one collective, not two."""
 
+import pytest
 import os
 import subprocess
 import sys
@@ -41,6 +42,7 @@ CODE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_rows_gathered_in_one_collective_equal_tensorflows_all_gather(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_CONFIG", None)

@@ -43,6 +43,7 @@ INNER_OPTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", INNER_OPTIONS)
 def test_every_inner_option_acts_as_it_does_without_the_wrapper(option):
     """The default method for Adam too: `|TopK(AdamW(clipnorm=1)) - AdamW(clipnorm=1)|` was 3.5e-2,
@@ -54,6 +55,7 @@ def test_every_inner_option_acts_as_it_does_without_the_wrapper(option):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_constraint_holds_on_the_top_k_path_and_with_adams_correction():
     def model():
         keras.utils.set_random_seed(0)
@@ -69,6 +71,7 @@ def test_a_constraint_holds_on_the_top_k_path_and_with_adams_correction():
     assert corrected.get_weights()[0].min() >= 0.0
 
 
+@pytest.mark.slow
 def test_exclude_from_weight_decay_on_the_wrapper_reaches_the_inner_optimizer():
     alone = keras.optimizers.AdamW(0.01, weight_decay=0.5)
     alone.exclude_from_weight_decay(var_names=["dense"])
@@ -91,6 +94,7 @@ def test_set_weights_reaches_the_inner_optimizers_state():
         target.set_weights([np.zeros(())])
 
 
+@pytest.mark.slow
 def test_an_inner_optimizer_whose_build_reads_the_variables_builds_where_keras_builds_it():
     """ScheduleFreeAdamW's build copies the variables' values. Without a strategy Keras builds it in
     fit's first traced step, with the model built in the same trace; the wrapper built it eagerly,
@@ -197,6 +201,7 @@ def test_an_inner_loss_scale_factor_is_applied_once_inside_a_loss_scale_optimize
         np.testing.assert_allclose(variables[0].numpy(), [1.0, -1.0, -0.5, 4.0], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_mixed_precision_fit_takes_keras_steps():
     """In a mixed_float16 fit the kernel moved 3.6e-6 against Keras's 3.0e-4."""
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -243,6 +248,7 @@ def with_option(name, option):
     return type(optimizer).from_config(config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", OPTIONS_ONE_AT_A_TIME)
 @pytest.mark.parametrize("name", INNER_OPTIMIZERS)
 def test_each_option_of_each_optimizer_acts_as_without_the_wrapper(name, option):
@@ -253,6 +259,7 @@ def test_each_option_of_each_optimizer_acts_as_without_the_wrapper(name, option)
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", INNER_OPTIMIZERS)
 def test_density_one_is_the_inner_optimizer(name):
     """160 steps of the digits MLP (its 64x128 kernel on the top-k path, the rest below min_size):
@@ -266,11 +273,15 @@ def test_density_one_is_the_inner_optimizer(name):
 
 @pytest.mark.slow
 def test_density_one_is_the_inner_optimizer_with_two_replicas():
-    """The twelve optimizers with their defaults, and Adam, AdamW and momentum SGD with each option.
-    Clipping acts on each replica's gradient before the sum, as Keras clips (clipping the sum moved a
-    weight 0.154 away from Keras's)."""
-    specs = [*INNER_OPTIMIZERS, *(f"{name}+{option}" for name in ("Adam", "AdamW", "SGD momentum")
-                                  for option in OPTIONS_ONE_AT_A_TIME)]
+    """The twelve optimizers with their defaults, and each option once, on Adam, AdamW or momentum SGD
+    (every option with every optimizer on one replica: test_each_option_of_each_optimizer_acts_as_without_
+    the_wrapper; the options in pairs on two replicas: tests/test_keras_order.py). Clipping acts on each
+    replica's gradient before the sum, as Keras clips (clipping the sum moved a weight 0.154 away from
+    Keras's)."""
+    owners = {"clipnorm": "Adam", "clipvalue": "AdamW", "global_clipnorm": "SGD momentum", "weight_decay": "Adam",
+              "use_ema": "AdamW", "gradient_accumulation_steps": "SGD momentum"}
+    assert set(owners) == set(OPTIONS_ONE_AT_A_TIME)
+    specs = [*INNER_OPTIMIZERS, *(f"{name}+{option}" for option, name in owners.items())]
     proc = subprocess.run([sys.executable, str(WORKERS_DIR / "inner_optimizers_replicas.py"), *specs],
                           cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

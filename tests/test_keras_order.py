@@ -252,6 +252,7 @@ def test_overwritten_variables_are_not_clipped_nor_counted_in_the_global_norm(wr
         np.testing.assert_allclose(w_trained, a_trained, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_float8_model_trains_as_keras_with_clipping():
     """A float8-quantized MLP, 20 steps with global_clipnorm: every weight and amax history as Keras's
     (14 of 16 differed, amax histories off by up to 3.9)."""
@@ -290,6 +291,7 @@ def test_a_skipped_step_changes_nothing_with_weight_decay_and_counts_no_iteratio
 
 # -- the rest of the review's findings -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_adams_momentum_correction_trains_a_model_with_nothing_to_sparsify(capfd):
     """Every variable below min_size: the memory's step counter is never made, and the first step
     crashed ('NoneType' object has no attribute 'assign_add') after printing the correction's line."""

@@ -186,6 +186,7 @@ def _wait_for_files(proc, paths, what, timeout=60.0):
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [signal.SIGTERM, signal.SIGINT])
 def test_cli_second_signal_during_grace_still_kills_all_workers(second, tmp_path):
     """A second SIGTERM or Ctrl-C while the launcher waits out the grace period

@@ -73,6 +73,7 @@ def test_cli_killed_worker_is_restarted_and_exit_code_is_0(tmp_path):
     _assert_all_dead(_records(tmp_path))
 
 
+@pytest.mark.slow
 def test_cli_always_failing_stops_after_n_restarts_with_its_code(tmp_path):
     # Worker 1 exits 3 on every attempt; worker 0 hangs until stopped.
     proc = _cli("--workers", "2", "--restarts", "2", "--timeout", "60", BEHAVE,
@@ -111,6 +112,7 @@ def test_restarts_0_keeps_the_old_behaviour(tmp_path):
     _assert_all_dead(records)
 
 
+@pytest.mark.slow
 def test_timeout_covers_all_attempts(tmp_path):
     # Each attempt fails after ~2 s; the 3 s budget leaves room for one restart
     # only, which is stopped at the deadline, not given 3 s of its own.

@@ -75,6 +75,7 @@ print("REPORT " + json.dumps(report))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("keras_name", ["keras", "tf_keras"])
 def test_lazy_build_in_strategy_run_trains_as_building_first(keras_name):
     env = worker_env(CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2")

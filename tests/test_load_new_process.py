@@ -121,6 +121,7 @@ def saved(tmp_path_factory):
     return expected
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order,api", [
     ("keras,tf_keras,tf_topk", "keras"),  # registered by `import tf_topk`
     ("tf_topk,keras,tf_keras", "keras"),  # registered when each Keras is imported

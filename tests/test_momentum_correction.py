@@ -194,6 +194,7 @@ def test_keras_file_and_checkpoint_restore_velocities(tmp_path):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
+@pytest.mark.slow
 def test_non_finite_step_leaves_velocities_as_they_were():
     x, y = digits(256)
     model = mlp()
@@ -208,6 +209,7 @@ def test_non_finite_step_leaves_velocities_as_they_were():
     assert int(opt.skipped_steps.numpy()) == 1
 
 
+@pytest.mark.slow
 def test_mixed_precision_trains_with_momentum_correction():
     x, y = digits(256)
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -221,6 +223,7 @@ def test_mixed_precision_trains_with_momentum_correction():
         keras.mixed_precision.set_global_policy("float32")
 
 
+@pytest.mark.slow
 def test_momentum_correction_with_a_dgc_warmup_schedule_trains_better_than_plain_topk():
     """At density 0.001 with momentum 0.9, correction recovers what plain top-k loses."""
     x, y = digits(1024)

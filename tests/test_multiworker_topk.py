@@ -1,7 +1,9 @@
 """TopKOptimizer with real worker processes: MultiWorkerMirroredStrategy over localhost.
 
-Each test starts workers through `tf_topk.launch.run_workers` (TF_CONFIG on free
-ports), which stops every process it started before returning.
+Workers start through `tf_topk.launch.run_workers` (TF_CONFIG on free ports), which
+stops every process it started before returning. The runs of examples/digits_fit.py
+that tests compare are trained by one cluster per size (`two_workers`,
+`three_workers`), one after the other, so TensorFlow starts once per worker.
 """
 
 import json
@@ -11,21 +13,48 @@ import sys
 import numpy as np
 import pytest
 
-from multiworker import REPO_ROOT, assert_ok, run_script, run_workers, worker_env
+from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, run_workers, worker_env
 
 pytestmark = pytest.mark.slow
 
 DIGITS_FIT = str(REPO_ROOT / "examples" / "digits_fit.py")
 EPOCHS = "10"
+# The two-worker runs, trained one after the other by the same two worker processes (one TensorFlow
+# start-up and one cluster for all): name -> examples/digits_fit.py's options.
+SGD_MOMENTUM = "--momentum 0.9 --learning-rate 0.05"
+TWO_WORKER_RUNS = {
+    "dense": "--dense",
+    "topk": "--density 0.01",
+    "autopilot": "--autopilot",
+    "sparse": f"--density 0.01 --momentum-correction --sparse-updates {SGD_MOMENTUM}",
+    "adaptive": "--adaptive",
+    "dense_momentum": f"--dense {SGD_MOMENTUM}",
+    "mc": f"--density 0.001 --momentum-correction --warmup-epochs 2 {SGD_MOMENTUM}",
+    # Last: the mixed_float16 policy is global (each run sets its own).
+    "mixed": "--density 0.01 --density-warmup-steps 20 --mixed-precision --epochs 3",
+}
 
 
-def fit(workers, out, *args):
-    result = run_workers(workers, [sys.executable, DIGITS_FIT, "--epochs", EPOCHS, "--verbose", "0",
-                                   "--out", str(out), *args], env=worker_env(), timeout=240)
-    assert_ok(result)
-    reports = [json.loads((out / f"worker{i}.json").read_text()) for i in range(workers)]
-    weights = [np.load(out / f"worker{i}.npz") for i in range(workers)]
-    return reports, weights
+def fit_matrix(workers, out, runs):
+    """Train every run of `runs` in one cluster of `workers` processes; name -> (reports, weights)."""
+    argv = [sys.executable, str(WORKERS_DIR / "fit_matrix.py"), str(out),
+            *(f"{name}=--epochs {EPOCHS} {options}" for name, options in runs.items())]
+    assert_ok(run_workers(workers, argv, env=worker_env(), timeout=900))
+    return {name: ([json.loads((out / name / f"worker{i}.json").read_text()) for i in range(workers)],
+                   [np.load(out / name / f"worker{i}.npz") for i in range(workers)])
+            for name in runs}
+
+
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    return fit_matrix(2, tmp_path_factory.mktemp("two_workers"), TWO_WORKER_RUNS)
+
+
+@pytest.fixture(scope="module")
+def three_workers(tmp_path_factory):
+    """Top-k alone: its dense reference is the two workers' (the same global batch, loss and learning
+    rate, so the same dense gradient up to the order of its additions)."""
+    return fit_matrix(3, tmp_path_factory.mktemp("three_workers"), {"topk": "--density 0.01"})
 
 
 def assert_identical(archives):
@@ -37,9 +66,9 @@ def assert_identical(archives):
 
 
 @pytest.mark.parametrize("workers", [2, 3])
-def test_topk_fit_matches_dense_accuracy_with_identical_weights(workers, tmp_path):
-    dense, dense_weights = fit(workers, tmp_path / "dense", "--dense")
-    topk, topk_weights = fit(workers, tmp_path / "topk", "--density", "0.01")
+def test_topk_fit_matches_dense_accuracy_with_identical_weights(workers, two_workers, request):
+    dense, dense_weights = two_workers["dense"]
+    topk, topk_weights = request.getfixturevalue({2: "two_workers", 3: "three_workers"}[workers])["topk"]
     assert_identical(dense_weights)
     assert_identical(topk_weights)
     assert all(r["replicas"] == workers for r in topk)
@@ -49,10 +78,10 @@ def test_topk_fit_matches_dense_accuracy_with_identical_weights(workers, tmp_pat
     assert topk[0]["skipped_steps"] == 0
 
 
-def test_autopilot_two_workers_measure_one_link_and_keep_identical_weights(tmp_path):
+def test_autopilot_two_workers_measure_one_link_and_keep_identical_weights(two_workers):
     """density="autopilot": each worker times the collectives, both take the slower numbers, so both
     make the same choices every step and end with the same weights."""
-    reports, weights = fit(2, tmp_path / "autopilot", "--autopilot")
+    reports, weights = two_workers["autopilot"]
     assert_identical(weights)
     lines = [r["autopilot"] for r in reports]
     assert all(line.startswith("tf_topk autopilot: calibration (") for line in lines)
@@ -62,30 +91,29 @@ def test_autopilot_two_workers_measure_one_link_and_keep_identical_weights(tmp_p
     assert reports[0]["compression"]["exchange_mode"] == reports[1]["compression"]["exchange_mode"]
 
 
-def test_sparse_updates_with_momentum_correction_keep_workers_identical(tmp_path):
+def test_sparse_updates_with_momentum_correction_keep_workers_identical(two_workers):
     """Two workers, each applying every replica's pairs in place (sparse_updates):
     the same order of additions on both, so the same weights bitwise."""
-    reports, weights = fit(2, tmp_path / "sparse", "--density", "0.01", "--momentum", "0.9",
-                           "--momentum-correction", "--sparse-updates", "--learning-rate", "0.05")
+    reports, weights = two_workers["sparse"]
     assert_identical(weights)
     assert reports[0]["test_accuracy"] > 0.9 and reports[0]["skipped_steps"] == 0
 
 
-def test_adaptive_density_two_workers_agree_on_k_every_step(tmp_path):
+def test_adaptive_density_two_workers_agree_on_k_every_step(two_workers):
     """Each worker proposes a density from its own gradient; the mean travels
     in the step's collective, so both use the same k (identical weights). The
     entries each sends may differ under the default exchange ("auto": agreed
     indices at this density), where a worker can hold 0 at an index the other
     nominated; k cannot."""
-    reports, weights = fit(2, tmp_path / "adaptive", "--adaptive")
+    reports, weights = two_workers["adaptive"]
     assert_identical(weights)
     assert reports[0]["k_fractions"] == reports[1]["k_fractions"]
     assert len(set(reports[0]["k_fractions"])) > 1, reports[0]["k_fractions"]  # it moves
     assert reports[0]["test_accuracy"] > 0.9 and reports[0]["skipped_steps"] == 0
 
 
-def test_two_logical_cpus_in_one_process_match_two_workers(tmp_path):
-    workers, _ = fit(2, tmp_path / "workers", "--density", "0.01")
+def test_two_logical_cpus_in_one_process_match_two_workers(two_workers, tmp_path):
+    workers, _ = two_workers["topk"]
     out = tmp_path / "mirrored"
     env = worker_env()
     env.pop("TF_CONFIG", None)
@@ -118,17 +146,12 @@ def test_checkpoint_restore_in_new_processes_gives_each_worker_its_residual(tmp_
     assert after["loss"][0] < before["loss"][0]  # training resumed, not restarted
 
 
-def test_mixed_float16_two_workers_train_with_identical_weights(tmp_path):
+def test_mixed_float16_two_workers_train_with_identical_weights(two_workers):
     """compile wraps TopKOptimizer in LossScaleOptimizer; the exchange runs inside its branch."""
-    out = tmp_path / "mixed"
-    result = run_workers(2, [sys.executable, DIGITS_FIT, "--epochs", "3", "--verbose", "0", "--out", str(out),
-                             "--density", "0.01", "--density-warmup-steps", "20", "--mixed-precision"],
-                       env=worker_env(), timeout=240)
-    assert_ok(result)
-    report = json.loads((out / "worker0.json").read_text())
-    assert report["test_accuracy"] > 0.85
-    assert report["compression"]["bytes_sent"] < report["dense_bytes_per_step"] / 10
-    assert_identical([np.load(out / f"worker{i}.npz") for i in range(2)])
+    reports, weights = two_workers["mixed"]
+    assert reports[0]["test_accuracy"] > 0.85
+    assert reports[0]["compression"]["bytes_sent"] < reports[0]["dense_bytes_per_step"] / 10
+    assert_identical(weights)
 
 
 def test_mixed_float16_overflow_on_one_worker_is_skipped_by_all(tmp_path):
@@ -143,12 +166,10 @@ def test_mixed_float16_overflow_on_one_worker_is_skipped_by_all(tmp_path):
     assert_identical(reports)
 
 
-def test_momentum_correction_two_workers_keep_identical_weights_and_dense_accuracy(tmp_path):
+def test_momentum_correction_two_workers_keep_identical_weights_and_dense_accuracy(two_workers):
     """DGC at density 0.001 with its warm-up, against momentum SGD with the dense all-reduce."""
-    common = ("--momentum", "0.9", "--learning-rate", "0.05")
-    dense, _ = fit(2, tmp_path / "dense", "--dense", *common)
-    corrected, weights = fit(2, tmp_path / "mc", "--density", "0.001", "--momentum-correction",
-                             "--warmup-epochs", "2", *common)
+    dense, _ = two_workers["dense_momentum"]
+    corrected, weights = two_workers["mc"]
     assert_identical(weights)
     assert corrected[0]["test_accuracy"] >= dense[0]["test_accuracy"] - 0.02, (corrected[0], dense[0])
     assert corrected[0]["bytes_per_step"] < dense[0]["bytes_per_step"] / 10

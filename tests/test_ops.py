@@ -210,6 +210,7 @@ def _run_python(code, cwd):
                           capture_output=True, text=True, timeout=180)
 
 
+@pytest.mark.slow
 def test_saved_model_runs_in_a_fresh_process_after_import(tmp_path):
     export = str(tmp_path / "model")
 
@@ -251,6 +252,7 @@ def test_jit_compile_is_refused_with_the_fix():
     assert values.numpy().tolist() == [-2.0]
 
 
+@pytest.mark.slow
 def test_op_determinism_cpu_runs_and_gpu_refuses(tmp_path):
     """Under op determinism the CPU kernel (deterministic) runs and repeats
     itself bit for bit; the GPU kernel (atomic slot order) refuses to run

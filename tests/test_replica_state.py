@@ -130,10 +130,17 @@ def _run(ckpt, out, *options, **kwargs):
                       SAVE_EVERY, *options, **kwargs)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Two workers, STEPS steps without a failure: (checkpoint folder, output folder). The resumed run
+    must end as this one; its last checkpoint (step STEPS) is what one process restores."""
+    ckpt, out = tmp_path_factory.mktemp("uninterrupted") / "ckpt", tmp_path_factory.mktemp("uninterrupted_out")
+    assert_ok(_run(ckpt, out, timeout=110))
+    return ckpt, out
 
 
-@pytest.mark.slow  # 2 TensorFlow workers, twice, plus an uninterrupted run: ~70 s on 2 cores
-def test_custom_loop_killed_and_restarted_resumes_bitwise_with_each_workers_state(tmp_path):
+@pytest.mark.slow  # 2 TensorFlow workers, twice (killed, restarted), and the uninterrupted run
+def test_custom_loop_killed_and_restarted_resumes_bitwise_with_each_workers_state(uninterrupted, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -155,9 +162,7 @@ def test_custom_loop_killed_and_restarted_resumes_bitwise_with_each_workers_stat
         assert load_json(out / f"attempt0_worker{worker}.json")["restored_step"] is None
         assert load_json(out / f"attempt1_worker{worker}.json")["restored_step"] == 8
 
-    reference_out = tmp_path / "reference"
-    reference_out.mkdir()
-    assert_ok(_run(tmp_path / "reference_ckpt", reference_out, timeout=110))
+    reference_out = uninterrupted[1]
     for worker in (0, 1):
         for name in (f"worker{worker}.npz", f"worker{worker}_state.npz"):
             resumed, reference = load_weights(out / name), load_weights(reference_out / name)
@@ -168,20 +173,18 @@ def test_custom_loop_killed_and_restarted_resumes_bitwise_with_each_workers_stat
     assert not np.array_equal(states[0][0], states[1][0])  # each worker had its own residual
 
 
-@pytest.mark.slow  # 2 TensorFlow workers, then one process: ~30 s on 2 cores
-def test_a_checkpoint_of_two_workers_restored_by_one_process_keeps_the_total(tmp_path):
-    ckpt, out, single = tmp_path / "ckpt", tmp_path / "out", tmp_path / "single"
-    out.mkdir()
+@pytest.mark.slow  # one process, from the uninterrupted run's checkpoint: ~10 s on 2 cores
+def test_a_checkpoint_of_two_workers_restored_by_one_process_keeps_the_total(uninterrupted, tmp_path):
+    ckpt, out = uninterrupted
+    single = tmp_path / "single"
     single.mkdir()
-    assert_ok(run_script("checkpoint_loop.py", "--ckpt", ckpt, "--out", out, "--steps", 4, "--save-every", 4,
-                         timeout=110))
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
     proc = subprocess.run([sys.executable, str(WORKERS_DIR / "checkpoint_loop.py"), "--ckpt", str(ckpt), "--out",
                            str(single), "--restore-only"], env=env, capture_output=True, text=True, timeout=110,
                           cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert load_json(single / "attempt0_worker0.json")["restored_step"] == 4
+    assert load_json(single / "attempt0_worker0.json")["restored_step"] == STEPS
     workers = [load_weights(out / f"worker{worker}_state.npz") for worker in (0, 1)]
     restored = load_weights(single / "worker0_state.npz")
     # Per-worker state (residual, velocity) differs; the dense-path velocity is the same on both.

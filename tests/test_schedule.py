@@ -198,6 +198,7 @@ def test_the_profile_depth_is_the_shallowest_level_covering_four_times_the_densi
     assert AdaptiveDensity(min_density=0.01, max_density=0.02).profile_levels() == [0.02]
 
 
+@pytest.mark.slow
 def test_the_exchange_climbs_by_the_profile_headroom_a_step_to_the_rules_choice():
     """From density 0.001 the profile reaches only down to 0.00625 of the entries,
     so where the rule wants 50x more the first step climbs at most to about

@@ -103,6 +103,7 @@ def test_a_router_of_agreed_indices_is_refused_with_it():
         exchange([tf.ones(5000)])
 
 
+@pytest.mark.slow
 def test_the_keras_recipe_trains_with_momentum_correction_and_a_warmup():
     """The documented line: momentum SGD, DGC's warm-up, one selection over the
     bucket; with momentum correction too. It learns, every step sends the
@@ -129,6 +130,7 @@ def test_the_keras_recipe_trains_with_momentum_correction_and_a_warmup():
         assert type(optimizer).from_config(config).exchange_config == optimizer.exchange_config
 
 
+@pytest.mark.slow
 def test_adams_momentum_correction_takes_its_dense_steps_then_the_shares():
     """Adam's momentum correction under all_gather: dense steps first (every entry through the gather),
     then each variable's share of the bucket's k; it learns and sends the bucket's k in all."""

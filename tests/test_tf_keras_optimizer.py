@@ -52,6 +52,7 @@ def run_python(code, **env):
     return completed.stdout
 
 
+@pytest.mark.timing
 def test_the_default_measures_when_built_before_fit_and_says_so_when_fit_builds_it():
     """No density: the autopilot. tf_keras's fit builds the optimizer in its first traced step, where
     nothing can be timed: the plan assumes a link and its line says to build first; built under the
@@ -69,6 +70,7 @@ def test_the_default_measures_when_built_before_fit_and_says_so_when_fit_builds_
         assert way["loss"][-1] < way["loss"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inner", [lambda: tf_keras.optimizers.SGD(0.1), lambda: tf_keras.optimizers.Adam(0.01)],
                          ids=["sgd", "adam"])
 def test_density_one_reproduces_the_inner_optimizer(inner):
@@ -81,6 +83,7 @@ def test_density_one_reproduces_the_inner_optimizer(inner):
     assert int(optimizer.iterations.numpy()) == 16
 
 
+@pytest.mark.slow
 def test_sparse_training_learns_and_compression_stats_are_logged(tmp_path):
     optimizer = TopKOptimizer(tf_keras.optimizers.SGD(0.3), density=0.01, density_warmup_steps=0)  # 0.01 throughout
     _, history = model_and_fit(optimizer, epochs=6, callbacks=[CompressionStats(log_dir=str(tmp_path), update_freq=4)])
@@ -96,6 +99,7 @@ def test_sparse_training_learns_and_compression_stats_are_logged(tmp_path):
     assert "topk/density" in tags and "topk/residual_norm" in tags
 
 
+@pytest.mark.slow
 def test_non_finite_step_is_skipped_without_touching_residuals_or_weights():
     model, _ = model_and_fit(TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.05, min_size=100), epochs=1)
     optimizer, variables = model.optimizer, model.trainable_variables
@@ -174,6 +178,7 @@ def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
     assert {name: rewritten[name] for name in old} == old and rewritten["momentum_masking"] is True
 
 
+@pytest.mark.slow
 def test_parts_reach_the_exchange_and_get_config_refuses_them():
     selector = RandomKSelector()
     optimizer = TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.05, min_size=1000, exchange_mode="auto",
@@ -187,6 +192,7 @@ def test_parts_reach_the_exchange_and_get_config_refuses_them():
         optimizer.get_config()
 
 
+@pytest.mark.slow
 def test_momentum_correction_moves_the_momentum_and_leaves_the_inner_sgd_as_given():
     """All variables below min_size: the exchange gives them momentum, the inner SGD applies none
     and makes no momentum slots, so the result is tf_keras's momentum SGD."""
@@ -200,6 +206,7 @@ def test_momentum_correction_moves_the_momentum_and_leaves_the_inner_sgd_as_give
     assert len(optimizer.velocities) == 4 and optimizer.exchange.memory.momentum == 0.9
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_residuals_and_velocities(tmp_path):
     def make():
         return TopKOptimizer(tf_keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), density=0.01,
@@ -216,6 +223,7 @@ def test_checkpoint_restores_residuals_and_velocities(tmp_path):
     assert int(other.iterations.numpy()) == 8
 
 
+@pytest.mark.slow
 def test_saved_model_loads_in_a_new_process_after_import_tf_topk(tmp_path):
     """model.save(save_format="tf"), then in a new process with TF_USE_LEGACY_KERAS=1:
     import tf_topk (no Keras imported), tf.keras.models.load_model, restore the optimizer's
@@ -257,6 +265,7 @@ print(json.dumps({{"imported": imported, "type": type(optimizer).__module__ + ".
         assert_same([before[k] for k in before.files], [after[k] for k in after.files])
 
 
+@pytest.mark.slow
 def test_restore_optimizer_variables_needs_a_saved_optimizer(tmp_path):
     model, _ = model_and_fit(tf_keras.optimizers.SGD(0.1), epochs=1)
     model.save(str(tmp_path), save_format="tf", include_optimizer=False)
@@ -264,6 +273,7 @@ def test_restore_optimizer_variables_needs_a_saved_optimizer(tmp_path):
         restore_optimizer_variables(model, str(tmp_path))
 
 
+@pytest.mark.slow
 def test_mixed_precision_trains_and_a_non_finite_step_lowers_the_scale():
     tf_keras.mixed_precision.set_global_policy("mixed_float16")
     try:
@@ -282,6 +292,7 @@ def test_mixed_precision_trains_and_a_non_finite_step_lowers_the_scale():
     assert_same(before, [v.numpy() for v in variables + topk.residuals])
 
 
+@pytest.mark.slow
 def test_tf_keras_stays_optional():
     """`import tf_topk` imports no tf_keras, Keras 3 stays the default, and the adapter
     without tf_keras says what to install."""

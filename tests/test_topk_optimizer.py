@@ -23,6 +23,7 @@ def compile_fit(model, optimizer, x, y, epochs=2, **fit_kwargs):
     return model.fit(x, y, epochs=epochs, batch_size=64, verbose=0, shuffle=False, **fit_kwargs)
 
 
+@pytest.mark.slow
 def test_density_one_reproduces_the_inner_optimizer():
     """All entries selected: no residual, the same updates as the plain optimizer."""
     x, y = digits()
@@ -35,6 +36,7 @@ def test_density_one_reproduces_the_inner_optimizer():
     assert all(float(tf.reduce_max(tf.abs(r.value))) == 0.0 for r in opt.residuals)
 
 
+@pytest.mark.slow
 def test_embedding_gradients_indexed_slices_match_dense_at_density_one():
     keras.utils.set_random_seed(1)
     tokens = np.random.default_rng(0).integers(0, 500, size=(256, 8)).astype("int32")
@@ -53,6 +55,7 @@ def test_embedding_gradients_indexed_slices_match_dense_at_density_one():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sparse_training_learns_and_error_feedback_keeps_the_rest():
     x, y = digits()
     model = mlp()
@@ -66,6 +69,7 @@ def test_sparse_training_learns_and_error_feedback_keeps_the_rest():
     assert len(opt.residuals) == 1  # the 64x128 kernel; the 128x10 kernel and biases are below min_size
 
 
+@pytest.mark.slow
 def test_non_finite_step_is_skipped_without_touching_residuals_or_weights():
     model = mlp()
     opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.05, min_size=100)
@@ -107,6 +111,7 @@ def test_variables_without_gradient_are_skipped():
     assert int(opt.iterations.numpy()) == 1
 
 
+@pytest.mark.slow
 def test_density_schedule_changes_k_with_the_step():
     x, y = digits(128)
     model = mlp()
@@ -119,6 +124,7 @@ def test_density_schedule_changes_k_with_the_step():
     assert densities[2] == pytest.approx(math.ceil(0.01 * 8192) / 8192)
 
 
+@pytest.mark.slow
 def test_config_round_trip_and_keras_file_restores_residuals(tmp_path):
     x, y = digits(256)
     model = mlp()
@@ -141,6 +147,7 @@ def test_config_round_trip_and_keras_file_restores_residuals(tmp_path):
     loaded.fit(x, y, epochs=1, batch_size=64, verbose=0)  # and training continues
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_residuals(tmp_path):
     x, y = digits(256)
     model = mlp()
@@ -263,6 +270,7 @@ def test_momentum_in_the_config_is_the_inner_sgds():
         tf_topk.TopKOptimizer(inner, config={"density": 0.01})
 
 
+@pytest.mark.slow
 def test_parts_reach_the_exchange_and_are_not_serialized():
     x, y = digits(128)
     model = mlp()
@@ -307,6 +315,7 @@ def test_inner_must_be_a_keras_optimizer():
         tf_topk.TopKOptimizer(tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1)))
 
 
+@pytest.mark.slow
 def test_loss_scale_optimizer_inside_is_refused_and_goes_outside():
     """Inside, its inner optimizer would sum the exchanged gradients again (updates x replicas)."""
     message = (r"does not take a LossScaleOptimizer as `inner_optimizer` \(got LossScaleOptimizer\).*"
@@ -330,6 +339,7 @@ def test_loss_scale_optimizer_inside_is_refused_and_goes_outside():
         np.testing.assert_allclose(v.numpy(), b - 0.1, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_mixed_precision_single_process_trains():
     x, y = digits(256)
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -363,6 +373,7 @@ def test_exchange_outside_a_replica_context_is_an_error():
             exchange([tf.ones([10])])
 
 
+@pytest.mark.slow
 def test_inner_optimizer_is_left_as_given_and_all_reduces_when_reused(tmp_path):
     """Two replicas (MirroredStrategy over two logical CPUs, in a fresh
     process): TopKOptimizer(SGD) at density 1 updates as SGD alone does
@@ -439,6 +450,7 @@ def test_loss_scale_fix_is_a_logged_no_op_where_keras_does_not_fit(monkeypatch, 
 
 # -- sparse updates ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("momentum_correction", [False, True])
 def test_sparse_updates_give_the_dense_update(momentum_correction):
     """One replica: variable -= lr * pairs is the dense SGD update exactly, plain or with
@@ -459,6 +471,7 @@ def test_sparse_updates_give_the_dense_update(momentum_correction):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange_mode", ["allreduce", "auto", "allgather"])
 def test_sparse_updates_of_embeddings_sharing_a_bucket_on_two_replicas(exchange_mode, tmp_path):
     """Two Embedding tables of different sizes in one bucket, 2 replicas

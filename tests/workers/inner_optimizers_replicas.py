@@ -1,6 +1,6 @@
 """Density 1.0 is the inner optimizer with two replicas: `inner_optimizers_replicas.py SPEC...`, each
 SPEC a name of tests/test_keras_contract.py's INNER_OPTIMIZERS, or NAME+OPTION with an option of its
-OPTIONS_ONE_AT_A_TIME turned on. For each, the digits MLP is trained 160
+OPTIONS_ONE_AT_A_TIME turned on. For each, the digits MLP is trained 48
 steps with model.fit under MirroredStrategy over 2 logical CPUs, by the optimizer alone and wrapped
 in TopKOptimizer(density=1.0). Prints one JSON line: spec -> the largest weight difference (a NaN in
 both counts as equal: Keras's own Adafactor ends in NaN here under MirroredStrategy), or, where fit
@@ -28,7 +28,7 @@ differences = {}
 
 
 def train(spec, wrap):
-    """The weights after 160 steps, or the error fit raised (its type and message)."""
+    """The weights after 48 steps, or the error fit raised (its type and message)."""
     name, _, option = spec.partition("+")
     with strategy.scope():
         model = mlp()
@@ -36,7 +36,7 @@ def train(spec, wrap):
         model.compile(optimizer=tf_topk.TopKOptimizer(inner, density=1.0) if wrap else inner,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
     try:
-        model.fit(x, y, batch_size=32, epochs=10, verbose=0, shuffle=False)
+        model.fit(x, y, batch_size=32, epochs=3, verbose=0, shuffle=False)
     except (ValueError, RuntimeError) as error:
         return f"{type(error).__name__}: {error}"
     return model.get_weights()
