@@ -74,7 +74,8 @@ def test_topk_fit_matches_dense_accuracy_with_identical_weights(workers, two_wor
     assert all(r["replicas"] == workers for r in topk)
     assert topk[0]["test_accuracy"] >= dense[0]["test_accuracy"] - 0.01, (topk[0], dense[0])
     assert topk[0]["test_accuracy"] > 0.9
-    assert topk[0]["bytes_per_step"] < dense[0]["bytes_per_step"] / 10
+    # Dense's bytes for this many workers (a ring all-reduce sends 2 (n - 1) / n of the gradient).
+    assert topk[0]["bytes_per_step"] < topk[0]["dense_bytes_per_step"] / 10
     assert topk[0]["skipped_steps"] == 0
 
 
