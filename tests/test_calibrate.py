@@ -156,10 +156,11 @@ def test_the_compute_is_traced_once_per_process_and_the_collection_leaves_gc_as_
 
     from tf_topk import calibrate
 
-    for _ in range(2):
-        calibrate._time_compute(1 << 12, 1 << 14)
-    assert calibrate._densify.experimental_get_tracing_count() == 1
-    assert calibrate._round_to_bfloat16.experimental_get_tracing_count() == 1
+    calibrate._time_compute(1 << 12, 1 << 14)
+    traced = [f.experimental_get_tracing_count() for f in (calibrate._densify, calibrate._round_to_bfloat16)]
+    assert min(traced) >= 1  # whatever other tests of this process traced before
+    calibrate._time_compute(1 << 12, 1 << 14)  # the second: no new trace
+    assert [f.experimental_get_tracing_count() for f in (calibrate._densify, calibrate._round_to_bfloat16)] == traced
     assert gc.get_freeze_count() == 0
     found = calibrate.calibrate(tf.distribute.get_strategy(), entries=1 << 14)
     assert gc.get_freeze_count() == 0 and found.phases["collect"] >= 0
