@@ -363,7 +363,10 @@ def test_time_to_accuracy_charges_each_step_its_predicted_exchange(tmp_path, cap
         assert params[link] == pytest.approx([per_step * steps, 2 * per_step * steps], rel=1e-3)
         # Top-k at 0.001 sends a few hundred pairs: far less time per epoch than dense on the slow link.
         assert topk["time_s"][link][0] < params[link][0]
-    assert topk["time_s"]["100mbit"][0] < 0.2 * params["100mbit"][0]
+    # Its exchange (the time beyond the compute both are charged) is a small part of dense's: compared without
+    # the compute, which this machine's load sets (a busy machine's compute alone can be 15% of dense's step).
+    exchange = {name: row["time_s"]["100mbit"][0] - compute * steps for name, row in (("dense", dense), ("topk", topk))}
+    assert 0 < exchange["topk"] < 0.2 * exchange["dense"], exchange
     links = timing["links"]
     assert set(links["100mbit"]["time_to_target_s"]) == {"dense", "topk_ef:0.001", "autopilot"}
     reached = links["100mbit"]["time_to_target_s"]
