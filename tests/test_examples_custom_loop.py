@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from multiworker import REPO_ROOT, assert_ok, load_json, run_workers, worker_env
+from tensorflow_warnings import tensorflow_warnings
 
 EXAMPLE = str(REPO_ROOT / "examples" / "custom_loop.py")
 TIMEOUT_S = 180  # a run takes ~10 s; generous for a loaded 2-core machine
@@ -56,12 +57,13 @@ def two_replicas(tmp_path_factory):
     proc = run_example("--logical-cpus", 2, "--check-replicas", "--epochs", 4, "--nan-at-step", 3,
                        "--density-warmup-steps", 0, "--summary-json", path)
     check_ok(proc)
-    return proc.stdout, load_json(path)
+    return proc, load_json(path)
 
 
 @pytest.mark.slow
 def test_two_replicas_learn(two_replicas):
-    stdout, summary = two_replicas
+    proc, summary = two_replicas
+    stdout = proc.stdout
     assert summary["replicas"] == 2
     losses = [epoch["loss"] for epoch in summary["epochs"]]
     assert len(losses) == 4
@@ -72,7 +74,8 @@ def test_two_replicas_learn(two_replicas):
 
 
 def test_two_replicas_hold_identical_weights(two_replicas):
-    stdout, summary = two_replicas
+    proc, summary = two_replicas
+    stdout = proc.stdout
     checksums = summary["checksums"]
     assert len(checksums) == 2 and checksums[0] == checksums[1], checksums
     assert f"replica 0 weights sha256 {checksums[0]}" in stdout
@@ -80,14 +83,22 @@ def test_two_replicas_hold_identical_weights(two_replicas):
 
 
 def test_non_finite_step_is_skipped(two_replicas):
-    stdout, summary = two_replicas
+    proc, summary = two_replicas
+    stdout = proc.stdout
     assert summary["skipped_steps"] == [3]
     assert "step 3: non-finite gradient on some replica: update skipped" in stdout
     assert summary["weights_finite"]
 
 
+def test_the_loop_makes_tensorflow_warn_of_nothing(two_replicas):
+    """The exchange's code in a custom loop (traced by AutoGraph) gives TensorFlow nothing to warn of."""
+    proc, _ = two_replicas
+    assert tensorflow_warnings(proc.stderr + proc.stdout) == []
+
+
 def test_sparse_exchange_sends_less(two_replicas):
-    stdout, summary = two_replicas
+    proc, summary = two_replicas
+    stdout = proc.stdout
     assert 0 < summary["bytes_sent"] < 0.1 * summary["bytes_dense"], summary
     assert "bytes sent per step and replica:" in stdout
 
@@ -114,6 +125,7 @@ def test_two_replicas_match_one_at_full_density(tmp_path):
 def test_one_replica_with_adam():
     proc = run_example("--optimizer", "adam", "--epochs", 3, "--steps", 10)
     check_ok(proc)
+    assert tensorflow_warnings(proc.stderr) == []
     assert "no strategy" in proc.stdout and "1 replica(s)" in proc.stdout
     assert "one replica: nothing is exchanged" in proc.stdout
     losses = [float(line.split("loss ")[1].split(",")[0]) for line in proc.stdout.splitlines()

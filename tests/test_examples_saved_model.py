@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from multiworker import REPO_ROOT, load_json, worker_env
+from tensorflow_warnings import tensorflow_warnings
 
 EXAMPLE = str(REPO_ROOT / "examples" / "saved_model_training.py")
 TIMEOUT_S = 180  # a run takes ~6 s; generous for a loaded 2-core machine
@@ -38,9 +39,10 @@ def finish(proc, timeout=TIMEOUT_S):
 
 
 def run_ok(*args):
+    """(stdout, stderr) of a run that must exit 0."""
     code, out, err = finish(start(*args))
     assert code == 0, f"{args}: exit {code}\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}"
-    return out
+    return out, err
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +61,17 @@ def runs(tmp_path_factory):
                 p.wait()
     for (code, out, err), p in zip(results, procs):
         assert code == 0, f"{p.args}: exit {code}\n{out}\n{err[-4000:]}"
-    stdout = {"train": results[0][1]}
+    stdout, stderr = {"train": results[0][1]}, {"train": results[0][2]}
     for i in (1, 2):
-        stdout[f"resume{i}"] = run_ok("resume", "--steps", RESUME_STEPS, "--export", export,
-                                      "--summary-json", tmp / f"resume{i}.json")
+        stdout[f"resume{i}"], stderr[f"resume{i}"] = run_ok("resume", "--steps", RESUME_STEPS, "--export", export,
+                                                            "--summary-json", tmp / f"resume{i}.json")
     summaries = {name: load_json(tmp / f"{name}.json") for name in ("train", "reference", "resume1", "resume2")}
-    return export, stdout, summaries
+    return export, stdout, summaries, stderr
 
 
 @pytest.mark.slow
 def test_resume_restores_weights_step_and_residuals(runs):
-    export, stdout, s = runs
+    export, stdout, s, _ = runs
     train, resume1 = s["train"], s["resume1"]
     assert resume1["restored_step"] == train["step"] == TRAIN_STEPS
     assert train["residual_norm"] > 0
@@ -82,7 +84,7 @@ def test_resume_restores_weights_step_and_residuals(runs):
 
 
 def test_loss_continues_from_where_it_was(runs):
-    _, _, s = runs
+    _, _, s, _ = runs
     initial, last_saved = s["train"]["losses"][0], s["train"]["losses"][-1]
     first_resumed = s["resume1"]["losses"][0]
     assert last_saved < 0.5 * initial, s["train"]["losses"]
@@ -95,10 +97,16 @@ def test_loss_continues_from_where_it_was(runs):
 
 
 def test_loss_keeps_decreasing(runs):
-    _, _, s = runs
+    _, _, s, _ = runs
     assert s["resume1"]["dataset_loss"] < s["resume1"]["restored_dataset_loss"]
     assert s["resume2"]["dataset_loss"] < s["resume2"]["restored_dataset_loss"]
     assert s["resume2"]["dataset_loss"] < s["train"]["dataset_loss"]
+
+
+def test_training_saving_and_loading_make_tensorflow_warn_of_nothing(runs):
+    """The SavedModel's traced train_step, its export and its load in new processes: no TensorFlow warning."""
+    stderr = runs[3]
+    assert {name: tensorflow_warnings(text) for name, text in stderr.items()} == {name: [] for name in stderr}
 
 
 @pytest.mark.slow

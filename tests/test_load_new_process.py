@@ -19,6 +19,7 @@ import tf_topk
 import tf_topk.tf_keras
 
 from multiworker import REPO_ROOT, worker_env
+from tensorflow_warnings import tensorflow_warnings
 
 LOAD = r"""
 import importlib, json, sys, warnings
@@ -136,6 +137,7 @@ def test_saved_models_load_in_a_new_process(saved, order, api):
     proc = subprocess.run([sys.executable, "-c", LOAD, order, api, json.dumps(arguments)], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert tensorflow_warnings(proc.stderr) == []
     report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("REPORT "))[7:])
     assert report["warnings"] == []
     if order.split(",")[0] == "tf_topk":

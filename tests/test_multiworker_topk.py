@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, run_workers, worker_env
+from tensorflow_warnings import tensorflow_warnings
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +37,16 @@ TWO_WORKER_RUNS = {
 
 
 def fit_matrix(workers, out, runs):
-    """Train every run of `runs` in one cluster of `workers` processes; name -> (reports, weights)."""
+    """Train every run of `runs` in one cluster of `workers` processes; name -> (reports, weights), and
+    "outputs" -> each worker's output."""
     argv = [sys.executable, str(WORKERS_DIR / "fit_matrix.py"), str(out),
             *(f"{name}=--epochs {EPOCHS} {options}" for name, options in runs.items())]
-    assert_ok(run_workers(workers, argv, env=worker_env(), timeout=900))
-    return {name: ([json.loads((out / name / f"worker{i}.json").read_text()) for i in range(workers)],
-                   [np.load(out / name / f"worker{i}.npz") for i in range(workers)])
-            for name in runs}
+    result = run_workers(workers, argv, env=worker_env(), timeout=900)
+    assert_ok(result)
+    trained = {name: ([json.loads((out / name / f"worker{i}.json").read_text()) for i in range(workers)],
+                      [np.load(out / name / f"worker{i}.npz") for i in range(workers)])
+               for name in runs}
+    return {**trained, "outputs": result.outputs}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,12 @@ def test_adaptive_density_two_workers_agree_on_k_every_step(two_workers):
     assert reports[0]["k_fractions"] == reports[1]["k_fractions"]
     assert len(set(reports[0]["k_fractions"])) > 1, reports[0]["k_fractions"]  # it moves
     assert reports[0]["test_accuracy"] > 0.9 and reports[0]["skipped_steps"] == 0
+
+
+def test_fit_makes_tensorflow_warn_of_nothing(two_workers):
+    """Eight `fit`s with the wrapper (every exchange mode the runs take, Adam and SGD, mixed precision):
+    no worker's output holds a TensorFlow warning."""
+    assert [tensorflow_warnings(output) for output in two_workers["outputs"]] == [[], []]
 
 
 def test_two_logical_cpus_in_one_process_match_two_workers(two_workers, tmp_path):

@@ -147,6 +147,7 @@ class Memory(abc.ABC):
 
     def build_dense(self, variables, make_state):
         """State for the dense-path variables (none by default)."""
+        return None
 
     def apply_dense(self, slot, summed, keep):
         """The summed gradient of dense-path variable `slot`, as the optimizer gets it."""
@@ -164,7 +165,11 @@ class Memory(abc.ABC):
 
     def finish_step(self):
         """Called once per kept step, after every slot's `update`: a memory
-        with a phase of its own (Adam's warm-up) advances its own counter."""
+        with a phase of its own (Adam's warm-up) advances its own counter.
+
+        A body beyond the docstring: AutoGraph cannot convert a function whose
+        only statement is its docstring, and warns the user to report it."""
+        return None
 
 
 def memory_for(config, residuals=None):

@@ -78,6 +78,7 @@ def _no_all_reduce(grads_and_vars):
 def _no_weight_decay(variables):
     """Keras's weight decay, skipped where Keras's `apply` calls it: the
     wrapper applies it in the step's update (`_exchanged_update_step`)."""
+    return None
 
 
 def _numbered_name(prefix):
