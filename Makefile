@@ -1,6 +1,6 @@
 # make demo  - set up, then run the main job
 # make test  - set up, then run every test
-# make test-fast - the tier for every edit: every test not marked `slow`
+# make test-fast - the tier for every edit: every test not marked `slow` or `timing`
 # make coverage  - every test under coverage.py, then line coverage of tf_topk/
 # Set-up is idempotent: .venv is created if missing, requirements installed
 # once (again when requirements.txt changes), the op library rebuilt when a
@@ -33,12 +33,15 @@ setup: $(INSTALLED) $(LIBRARY)
 build: setup
 
 # Two pytest processes (each test file whole in one), then the `timing` tests alone (tests/conftest.py);
-# exit status 5 is "no test selected", where PYTEST_ARGS selects none of one part.
+# exit status 5 is "no test selected", where PYTEST_ARGS selects none of one part. `make test` and
+# `make coverage` run the same two parts (pytest's arguments after `-m pytest`).
 PARALLEL := -n 2 --dist loadfile
+UNTIMED_PART := -q $(PARALLEL) -m "not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+TIMING_PART := -q -m timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 test: setup
-	$(PY) -m pytest -q $(PARALLEL) -m "not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m pytest -q -m timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m pytest $(UNTIMED_PART)
+	$(PY) -m pytest $(TIMING_PART)
 
 test-fast: setup
 	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
@@ -47,8 +50,8 @@ test-fast: setup
 coverage: setup
 	$(PY) -m pip install --quiet "coverage>=7.10"
 	rm -f .coverage .coverage.*
-	$(PY) -m coverage run -m pytest -q $(PARALLEL) -m "not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
-	$(PY) -m coverage run -m pytest -q -m timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(PY) -m coverage run -m pytest $(UNTIMED_PART)
+	$(PY) -m coverage run -m pytest $(TIMING_PART)
 	$(PY) -m coverage combine --quiet
 	$(PY) -m coverage report --skip-empty
 
