@@ -14,37 +14,16 @@ for this model on a 1 Gbit/s and a 100 Mbit/s cluster of as many workers.
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 
 from tf_topk.autopilot import advise, format_advice
 from tf_topk.cost import CostModel
-from tf_topk.launch import run_workers
+from tf_topk.launch import run_workers, shown_lines
 
 ROUTE_NAMES = {0: "dense", 1: "all_gather", 2: "agreed indices", 3: "dense_bf16"}
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-# TensorFlow's start-up log lines, which TF_CPP_MIN_LOG_LEVEL does not silence in TF 2.21: absl's
-# notice that logging is not set up yet, and informational lines (oneDNN's). Warnings and errors pass.
-STARTUP_LOG = re.compile(r"\[worker \d+\] (WARNING: All log messages before absl::InitializeLog\(\)|I\d{4} )")
-
-
-class WithoutStartupLog:
-    """A stream for the launcher that drops TensorFlow's start-up log lines (a worker that fails
-    still shows its whole output: the launcher keeps it for the failure message)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        if not STARTUP_LOG.match(text):
-            self.stream.write(text)
-
-    def flush(self):
-        self.stream.flush()
-
 
 def run(label, workers, epochs, extra, folder):
     out = os.path.join(folder, label)
@@ -52,7 +31,8 @@ def run(label, workers, epochs, extra, folder):
     argv = [sys.executable, os.path.join(HERE, "digits_fit.py"), "--epochs", str(epochs), "--verbose", "0",
             "--out", out, *extra]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    result = run_workers(workers, argv, env=env, timeout=900, stream=WithoutStartupLog(sys.stdout))
+    # shown_lines(): the workers' lines without TensorFlow's start-up log (a failure still shows them all).
+    result = run_workers(workers, argv, env=env, timeout=900, show=shown_lines())
     if not result.ok:
         raise SystemExit(f"{label} failed: {result.format_failure()}")
     with open(os.path.join(out, "worker0.json")) as f:

@@ -147,7 +147,10 @@ def train(args, strategy):
                       metrics=["accuracy"],
                       jit_compile=False)  # the selection op has no XLA kernel (Keras's default on a GPU)
     timer = tf_topk.keras.StepTimer()
-    callbacks = [timer] if args.dense else [timer, tf_topk.keras.CompressionStats()]
+    epoch_stats = []  # the exchange's statistics at each epoch's end (its last step), for the report
+    record = keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: epoch_stats.append(optimizer.compression_stats()))
+    callbacks = [timer] if args.dense else [timer, tf_topk.keras.CompressionStats(), record]
     backup = tf_topk.keras.BackupAndRestore(args.backup_dir) if args.backup_dir else None
     if backup is not None:
         callbacks.insert(0, backup)  # restores before the other callbacks start
@@ -176,8 +179,8 @@ def train(args, strategy):
         optimizer.exchange.autopilot_plan.describe(),
         # Per epoch (its last step): the entries this worker sent, and k (the slots every worker fills;
         # with agreed indices a worker may hold 0 at an index another worker nominated).
-        "densities": [float(v) for v in history.history.get("topk_density", [])],
-        "k_fractions": [1.0 - float(v) for v in history.history.get("topk_random_k_bound", [])],
+        "densities": [end["density"] for end in epoch_stats],
+        "k_fractions": [1.0 - end["random_k_bound"] for end in epoch_stats],
         "test_accuracy": float(test_accuracy), "test_loss": float(test_loss),
         "loss": [float(v) for v in history.history["loss"]],
         "bytes_per_step": float(bytes_per_step), "dense_bytes_per_step": float(dense_bytes),

@@ -14,6 +14,13 @@ from tf_topk.exchange import STAT_NAMES
 from tf_topk.keras import CompressionStats, StepTimer
 
 STEPS_PER_EPOCH, EPOCHS = 4, 3
+# Logical CPUs for the two-replica case, made before TensorFlow starts (three, as test_exchange_matrix
+# makes them: the last module collected sets the count for the whole session).
+try:
+    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
+                                               [tf.config.LogicalDeviceConfiguration()] * 3)
+except RuntimeError:  # TensorFlow already started (another module made them)
+    pass
 
 
 def fit(optimizer, callback):
@@ -37,9 +44,9 @@ def read_scalars(log_dir):
 
 def test_logs_and_tensorboard_scalars(tmp_path):
     optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01, density_warmup_steps=0)
-    history = fit(optimizer, CompressionStats(log_dir=str(tmp_path), update_freq=2))
+    history = fit(optimizer, CompressionStats(log_dir=str(tmp_path), update_freq=2, logs="all"))
     k, d = math.ceil(0.01 * 64 * 128), 64 * 128
-    for name in STAT_NAMES:
+    for name in (*STAT_NAMES, "bytes_ratio"):
         assert len(history.history[f"topk_{name}"]) == EPOCHS
     assert history.history["topk_density"][-1] == pytest.approx(k / d)
     assert history.history["topk_random_k_bound"][-1] == pytest.approx(1 - k / d)
@@ -70,6 +77,29 @@ def test_step_timer_times_every_training_batch_and_nothing_else():
     model.fit(x, y, batch_size=64, epochs=2, verbose=0, validation_data=(x, y), callbacks=[timer, Slow()])
     assert len(timer.times) == 2 * 4
     assert all(seconds >= 0.02 for seconds in timer.times)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_progress_bar_gets_the_density_and_the_bytes_ratio_alone(replicas):
+    """By default two keys reach the epoch logs (and so Keras's progress bar); TensorBoard and
+    logs="all" get the rest. Two replicas send pairs: the ratio is bytes_sent over bytes_dense."""
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:replicas]
+    assert len(devices) == replicas
+    with tf.distribute.MirroredStrategy(devices).scope():
+        optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01, density_warmup_steps=0)
+        history = fit(optimizer, CompressionStats())
+    assert sorted(key for key in history.history if key.startswith("topk_")) == ["topk_bytes_ratio", "topk_density"]
+    stats = optimizer.compression_stats()
+    if replicas == 1:
+        assert history.history["topk_bytes_ratio"][-1] == 0.0  # one replica sends nothing
+    else:
+        assert 0 < history.history["topk_bytes_ratio"][-1] == pytest.approx(stats["bytes_sent"] / stats["bytes_dense"])
+        assert history.history["topk_bytes_ratio"][-1] < 0.5  # the small layers go whole
+
+
+def test_logs_must_be_compact_or_all():
+    with pytest.raises(ValueError, match="logs must be 'compact' .* or 'all', got 'some'"):
+        CompressionStats(logs="some")
 
 
 def test_needs_a_topk_optimizer():

@@ -91,6 +91,22 @@ def test_the_exchange_sends_the_warmups_k_at_each_step_and_needs_the_step():
     assert int(off([grad]).stats["selected"]) == 10  # no step needed: 0.001 from the first call
 
 
+def test_the_warmup_announces_itself_once_with_how_to_switch_it_off(capsys):
+    """Made (by the Keras wrappers or a custom loop), an exchange whose fixed density warms up says so on
+    stderr: the density, the steps, the stages and the option that switches it off; none where nothing
+    warms up. (Of several workers, the chief alone: test_multiworker_topk.)"""
+    variable = tf.Variable(tf.zeros([10_000]))
+    tf_topk.SparseExchange([variable], density=0.001, min_size=1)
+    assert capsys.readouterr().err.splitlines() == [
+        "tf_topk: density 0.001 after a 400-step warm-up (Deep Gradient Compression's falling densities "
+        "0.25, 0.063, 0.016, 0.004 in 4 equal stages); density_warmup_steps=0 sends 0.001 from the first step"]
+    tf_topk.SparseExchange([variable], density=0.01, min_size=1, density_warmup_steps=40)
+    assert "density 0.01 after a 40-step warm-up" in capsys.readouterr().err
+    for quiet in ({"density_warmup_steps": 0}, {"density": 0.05}, {"min_size": 100_000}):  # off; above 0.01; dense
+        tf_topk.SparseExchange([variable], **{"density": 0.001, "min_size": 1, **quiet})
+        assert "warm-up" not in capsys.readouterr().err, quiet
+
+
 def test_buckets_are_sized_for_the_density_after_the_warmup():
     variables = [tf.Variable(tf.zeros([10_000])) for _ in range(4)]
     options = {"density": 0.001, "min_size": 1, "bucket_bytes": 8 * 20}  # two variables' 10 pairs a bucket
@@ -179,6 +195,29 @@ def test_the_keras_wrapper_warms_up_on_its_iterations_and_saves_the_option(tmp_p
     model.save(path)
     loaded = keras.models.load_model(path)
     assert loaded.optimizer.density_warmup_steps == 0 and loaded.optimizer.density == 0.001
+
+
+@pytest.mark.parametrize("warmup,epochs,warns", [("auto", 2, True), (8, 2, False), (20, 2, True), (20, 3, False)])
+def test_compression_stats_says_when_the_fit_ends_inside_the_warmup(warmup, epochs, warns, capsys):
+    """8 steps an epoch: a fit whose last step falls inside the warm-up says so at train begin, with the
+    density its last steps send; one that reaches the density given says nothing."""
+    x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    y = np.arange(256) % 10
+    model = _model()
+    model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.05), density=0.001,
+                                                  density_warmup_steps=warmup),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    capsys.readouterr()
+    model.fit(x, y, batch_size=32, epochs=epochs, verbose=0, callbacks=[tf_topk.keras.CompressionStats()])
+    said = [line for line in capsys.readouterr().err.splitlines() if "this fit ends" in line]
+    if not warns:
+        assert said == []
+    elif warmup == "auto":
+        assert said == ["tf_topk: this fit ends at step 16, inside the 400-step warm-up of density 0.001: its last "
+                        "steps send density 0.25, not 0.001; density_warmup_steps=0 (or a shorter warm-up) trains "
+                        "at the density given"]
+    else:  # 20 steps: stages at 0, 5, 10, 15; the 16th step is in the fourth
+        assert len(said) == 1 and "its last steps send density 0.004, not 0.001" in said[0]
 
 
 def test_a_config_saved_before_the_warmup_existed_resumes_without_one():

@@ -46,3 +46,25 @@ def test_every_relative_link_resolves(page):
         elif fragment and resolved.suffix == ".md" and fragment not in anchors(resolved):
             broken.append(f"{target}: no heading #{fragment} in {resolved.relative_to(REPO_ROOT)}")
     assert not broken, broken
+
+
+RESULTS = REPO_ROOT / "benchmarks" / "RESULTS.md"
+LIBRARY = [p for p in sorted((REPO_ROOT / "tf_topk").rglob("*.py")) if "bench" not in p.parts]
+# A measured accuracy figure quoted in the code ("4.3 points below dense", "+0.35 nats/byte").
+QUOTED_FIGURE = re.compile(r"\d+(\.\d+)? points?\b|nats ?(/|per) ?byte")
+
+
+def test_results_keeps_the_current_figures_within_600_lines():
+    """Earlier runs, trials not kept and narratives live in benchmarks/history/, linked from RESULTS."""
+    assert len(RESULTS.read_text().splitlines()) <= 600
+    assert "](history/" in RESULTS.read_text()
+
+
+@pytest.mark.parametrize("module", LIBRARY, ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_the_library_links_results_rather_than_quoting_its_figures(module):
+    """Figures copied into docstrings drift from the runs; a docstring says what an option does and
+    links the RESULTS section that measures it, whose heading must exist."""
+    text = module.read_text()
+    assert [m.group(0) for m in QUOTED_FIGURE.finditer(text)] == []
+    for fragment in re.findall(r"benchmarks/RESULTS\.md#([\w\-]+)", text):
+        assert fragment in anchors(RESULTS), f"{module.name}: no heading #{fragment} in RESULTS.md"

@@ -128,6 +128,33 @@ def test_cli_exit_code_prefix_and_script_args(tmp_path):
     assert load_json(tmp_path / "worker_1.json")["argv"] == ["--exit", "0:7", "--hang", "--record", str(tmp_path)]
 
 
+@pytest.mark.parametrize("options", [[], ["--verbose"], ["--chief-only"], ["--chief-only", "--verbose"]])
+def test_cli_hides_tensorflows_startup_lines_and_shows_the_chief_alone_when_asked(options):
+    proc = subprocess.run(_cli("--workers", "2", "--timeout", "60", *options, BEHAVE, "--startup-log", "--stderr"),
+                          cwd=REPO_ROOT, env={**os.environ, **worker_env()}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    workers = [0] if "--chief-only" in options else [0, 1]
+    assert {line.split("]")[0] + "]" for line in lines} == {f"[worker {i}]" for i in workers}, lines
+    for i in workers:
+        assert f"[worker {i}] hello from {i}" in lines and f"[worker {i}] stderr from {i}" in lines
+    startup = [line for line in lines if "absl::InitializeLog" in line or "] I0000 " in line
+               or "To enable the following instructions" in line]
+    assert len(startup) == (4 * len(workers) if "--verbose" in options else 0), lines
+
+
+def test_cli_chief_only_prints_the_last_lines_of_another_worker_that_fails():
+    proc = subprocess.run(_cli("--workers", "2", "--timeout", "60", "--chief-only", BEHAVE, "--startup-log",
+                               "--exit", "1:3", "--hang"),
+                          cwd=REPO_ROOT, env={**os.environ, **worker_env()}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 3
+    assert "[worker 1]" not in proc.stdout and "[worker 0] hello from 0" in proc.stdout
+    assert "[worker 1] hello from 1" in proc.stderr.splitlines(), proc.stderr
+    assert "absl::InitializeLog" not in proc.stderr and "worker 1 exited with code 3" in proc.stderr
+
+
 def test_cli_timeout_exits_124():
     proc = subprocess.run(
         _cli("--workers", "2", "--timeout", "1", BEHAVE, "--hang"),

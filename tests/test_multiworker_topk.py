@@ -123,6 +123,13 @@ def test_fit_makes_tensorflow_warn_of_nothing(two_workers):
     assert [tensorflow_warnings(output) for output in two_workers["outputs"]] == [[], []]
 
 
+def test_the_chief_alone_announces_the_warmup(two_workers):
+    """The runs at a fixed density of 0.01 warm up; the line that says so comes from worker 0 only."""
+    chief, other = two_workers["outputs"]
+    assert "tf_topk: density 0.01 after a 400-step warm-up" in chief
+    assert "warm-up" not in other
+
+
 def test_two_logical_cpus_in_one_process_match_two_workers(two_workers, tmp_path):
     workers, _ = two_workers["topk"]
     out = tmp_path / "mirrored"

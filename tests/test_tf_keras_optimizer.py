@@ -86,7 +86,8 @@ def test_density_one_reproduces_the_inner_optimizer(inner):
 @pytest.mark.slow
 def test_sparse_training_learns_and_compression_stats_are_logged(tmp_path):
     optimizer = TopKOptimizer(tf_keras.optimizers.SGD(0.3), density=0.01, density_warmup_steps=0)  # 0.01 throughout
-    _, history = model_and_fit(optimizer, epochs=6, callbacks=[CompressionStats(log_dir=str(tmp_path), update_freq=4)])
+    _, history = model_and_fit(optimizer, epochs=6, callbacks=[CompressionStats(log_dir=str(tmp_path), update_freq=4,
+                                                                          logs="all")])
     assert history["loss"][-1] < 0.6 * history["loss"][0]
     k, d = math.ceil(0.01 * 64 * 128), 64 * 128
     assert history["topk_density"][-1] == pytest.approx(k / d)

@@ -24,9 +24,11 @@ import threading
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from tf_topk.config import ExchangeConfig
+from tf_topk.config import WARMUP_INITIAL_DENSITY, ExchangeConfig
 from tf_topk.exchange import STAT_NAMES, SparseExchange
 from tf_topk.memory import state_name
+from tf_topk.notices import tell
+from tf_topk.schedule import warmup_in_steps
 
 # ExchangeConfig's fields, which get_config writes flat beside the wrapper's own
 # keys, and from_config gathers into one ExchangeConfig again.
@@ -545,13 +547,26 @@ _SCALAR_METADATA = summary_pb2.SummaryMetadata(plugin_data=summary_pb2.SummaryMe
     plugin_name="scalars"))
 
 
+# What CompressionStats adds to the epoch logs (and so to the progress bar) by default: the density sent and
+# the bytes against the dense all-reduce's; every statistic with logs="all", and in TensorBoard either way.
+COMPACT_LOGS = ("density", "bytes_ratio")
+
+
+def bytes_ratio(stats):
+    """A worker's bytes a step as a fraction of what the dense all-reduce would send (0 where nothing would)."""
+    return stats["bytes_sent"] / stats["bytes_dense"] if stats.get("bytes_dense") else 0.0
+
+
 class CompressionStatsLogic:
     """The behaviour of CompressionStats (a mixin before each Keras's Callback):
     the statistics in the epoch logs, and as TensorBoard scalars with `log_dir`."""
 
-    def _init_stats(self, log_dir, update_freq):
+    def _init_stats(self, log_dir, update_freq, logs="compact"):
         if isinstance(update_freq, bool) or not isinstance(update_freq, int) or update_freq < 1:
             raise ValueError(f"update_freq must be an int >= 1, got {update_freq!r}")
+        if logs not in ("compact", "all"):
+            raise ValueError(f"logs must be 'compact' (density and bytes ratio) or 'all', got {logs!r}")
+        self.logs = logs
         self.log_dir = log_dir
         self.update_freq = update_freq
         self._writer = None
@@ -565,9 +580,26 @@ class CompressionStatsLogic:
         return optimizer
 
     def on_train_begin(self, logs=None):
-        self._optimizer()
+        self._warn_if_the_run_ends_in_the_warmup(self._optimizer())
         if self.log_dir:
             self._writer = tf.summary.create_file_writer(self.log_dir)
+
+    def _warn_if_the_run_ends_in_the_warmup(self, optimizer):
+        """Says so (on the chief) where `fit`'s planned steps end inside a fixed density's warm-up: the
+        whole run then trains and reports a higher density than the one given."""
+        config = optimizer.exchange.config if optimizer.exchange is not None else optimizer.exchange_config
+        warmup, params = config.density_warmup_taken, self.params or {}
+        if not warmup or not params.get("epochs") or not params.get("steps"):
+            return  # no warm-up, or a run of unknown length
+        last = int(optimizer.iterations.numpy()) + params["epochs"] * params["steps"] - 1
+        if last >= warmup:
+            return
+        final = config.schedule.settled_density()
+        reached = [d for step, d in warmup_in_steps(warmup, final=final, initial=WARMUP_INITIAL_DENSITY)
+                   if step <= last][-1]
+        tell(f"tf_topk: this fit ends at step {last + 1}, inside the {warmup}-step warm-up of density {final:g}: "
+             f"its last steps send density {reached:.2g}, not {final:g}; density_warmup_steps=0 (or a shorter "
+             "warm-up) trains at the density given")
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1
@@ -578,8 +610,11 @@ class CompressionStatsLogic:
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            for name, value in self._optimizer().compression_stats().items():
-                logs[f"topk_{name}"] = value
+            stats = self._optimizer().compression_stats()
+            stats = {**stats, "bytes_ratio": bytes_ratio(stats)} if stats else {}
+            for name, value in stats.items():
+                if self.logs == "all" or name in COMPACT_LOGS:
+                    logs[f"topk_{name}"] = value
 
     def on_train_end(self, logs=None):
         if self._writer is not None:

@@ -34,8 +34,8 @@ FIXED_DEFAULT_DENSITY = 0.001
 
 # A fixed density of this or less starts, unless told otherwise (density_warmup_steps="auto"),
 # with DGC's falling densities over DEFAULT_DENSITY_WARMUP_STEPS steps: from 0.25, a quarter of
-# them at each of four densities, then the density given. Without it, error feedback at 0.001
-# ended 4.3 points below dense on the synthetic MLP, with it 0.5 above (benchmarks/RESULTS.md).
+# them at each of four densities, then the density given: it guards against the losses of error
+# feedback at 0.001 started cold (measured: benchmarks/RESULTS.md#a-fixed-low-density-warms-up-by-default-density_warmup_steps).
 WARMUP_UP_TO_DENSITY = 0.01
 DEFAULT_DENSITY_WARMUP_STEPS = 400
 WARMUP_INITIAL_DENSITY = 0.25
@@ -134,8 +134,8 @@ class ExchangeConfig:
         Masking (DGC's momentum factor masking, zeroing a replica's velocity
         where it sent) is off by default: it drops the momentum an entry
         would still get after it is sent, so an entry sent often trains with
-        hardly any momentum (on the shapes CNN at density 0.01, 8 seeds: 1.3
-        points below dense with it, 0.2 above without; benchmarks/RESULTS.md).
+        hardly any momentum (measured on CNNs:
+        benchmarks/RESULTS.md#convolutional-networks-at-01-density-where-the-loss-comes-from).
       beta_2: None, or Adam's beta_2 for Adam's momentum correction
         (`tf_topk.memory.AdamMomentumCorrectionMemory`): dense Adam for
         `variance_warmup_steps` steps, then the second moment frozen and
@@ -154,9 +154,8 @@ class ExchangeConfig:
         "bucket": one selection of the bucket's k (the sum of its variables'
         k, so the same bytes) over all its variables, each entry ranked by
         its magnitude over its variable's root mean square, so a variable
-        gets more of k the more its largest entries stand out. On two CNNs at
-        density 0.001 (8 seeds) it brought error feedback from 0.75 and 0.63
-        points below dense to 0.00 and 0.48 (benchmarks/RESULTS.md). Needs
+        gets more of k the more its largest entries stand out; the recipe for
+        CNNs (measured: benchmarks/RESULTS.md#one-selection-over-the-bucket-selection_scopebucket). Needs
         exchange_mode="allgather" (each replica sends its own pairs; how many
         fall in each variable differs between replicas), a fixed or scheduled
         density and dense output.

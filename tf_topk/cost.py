@@ -20,9 +20,8 @@ import math
 import re
 
 # Where "auto" takes agreed indices it agrees on twice k indices per variable:
-# at 8 replicas and density 0.01 agreed indices on k lost 1.8 points against
-# all_gather on the synthetic task, on 2k they gained 1.2 (benchmarks/history/
-# 2026-11-24-agreed-index-remedies.md, "Remedy 3"), for 32k(P-1)/P bytes per worker, still flat in P, and fewer than
+# on k they lost accuracy against all_gather where 2k did not (measured:
+# benchmarks/history/2026-11-24-agreed-index-remedies.md, "Remedy 3"), for 32k(P-1)/P bytes per worker, still flat in P, and fewer than
 # all_gather's (P-1) * 8k from 5 replicas on (the same at 4: all_gather keeps the tie).
 AUTO_AGREED_SLOTS = 2
 
@@ -49,7 +48,7 @@ ROUTE_NAMES = ("dense", "dense_bf16", "allgather", "allreduce")
 # all_gather keeps the bucket unless agreed indices are predicted this much
 # faster: with the same k, each replica's own top-k (all_gather) updates up to
 # P * k entries where agreed indices update k, and was the more accurate at
-# 4 and 8 replicas (benchmarks/RESULTS.md, "Agreed indices at 4 replicas").
+# 4 and 8 replicas (measured: benchmarks/RESULTS.md#agreed-indices-at-4-replicas-accuracy-against-all_gather-convergence---replicas-4).
 AGREED_SPEEDUP = 1.25
 # Compute per entry when nothing is measured, as `tf_topk.calibrate` finds it on
 # the project's 2-core CPU machine: the fused selection, and the rounding to bfloat16.

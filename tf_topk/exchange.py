@@ -41,17 +41,18 @@ Example (custom training loop; examples/custom_loop.py is the complete version):
 
 import collections
 import math
-import sys
 
 import tensorflow as tf
 
 from tf_topk import autopilot, ops
 from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFAULT_MIN_SIZE: public here too)
-from tf_topk.config import FIXED_DEFAULT_DENSITY
+from tf_topk.config import FIXED_DEFAULT_DENSITY, WARMUP_INITIAL_DENSITY
 from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable, memory_for
+from tf_topk.notices import tell
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
 from tf_topk.routes import (MODE_CODES, AgreedIndexRoute, AgreedOrDenseRoute, AllGatherOrDenseRoute, AllGatherRoute,
                             Bucket, Router, all_reduce_dense, carries, ring_all_reduce_bytes, router_for, taken_out)
+from tf_topk.schedule import warmup_in_steps
 from tf_topk.selector import Selector, TopKSelector, select_over_bucket
 from tf_topk.step_density import replica_counter, step_density_for
 from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401  public here too
@@ -169,9 +170,11 @@ class SparseExchange(tf.Module):
         self.memory = _part(memory, Memory, "memory") or memory_for(self.config, residuals)
         sparsifies = any(_spec(v, self.config.min_size).sparse for v in variables)
         if self.config.density is None and self.config.beta_2 is not None and sparsifies:  # say what runs
-            print(f"tf_topk: Adam's momentum correction: every entry for the first {self.config.variance_warmup_steps} "
-                  f"steps, then density {FIXED_DEFAULT_DENSITY:g} (fixed: the autopilot does not choose a density for "
-                  "a frozen second moment; pass density=... to choose one)", file=sys.stderr, flush=True)
+            tell(f"tf_topk: Adam's momentum correction: every entry for the first {self.config.variance_warmup_steps} "
+                 f"steps, then density {FIXED_DEFAULT_DENSITY:g} (fixed: the autopilot does not choose a density for "
+                 "a frozen second moment; pass density=... to choose one)")
+        if self.config.density_warmup_taken and sparsifies:
+            tell(describe_density_warmup(self.config))
         # Where the autopilot sends every entry in float32 with plain error feedback, one all-reduce of the
         # gradients (the residuals flushed into it) does what the dense route would, without its selection.
         self._every_entry_as_dense = bool(
@@ -569,3 +572,12 @@ def _unpack(summed, small, count):
     then the `count` scalars as one vector."""
     pieces = tf.split(summed, [int(g.shape.num_elements()) for g in small] + [count])
     return [tf.cast(tf.reshape(p, tf.shape(g)), g.dtype) for p, g in zip(pieces, small)] + [pieces[-1]]
+
+
+def describe_density_warmup(config):
+    """The line that announces a fixed density's warm-up: what runs, for how long, how to switch it off."""
+    steps, final = config.density_warmup_taken, config.schedule.settled_density()
+    stages = [density for _, density in warmup_in_steps(steps, final=final, initial=WARMUP_INITIAL_DENSITY)[:-1]]
+    return (f"tf_topk: density {final:g} after a {steps}-step warm-up (Deep Gradient Compression's falling "
+            f"densities {', '.join(f'{d:.2g}' for d in stages)} in {len(stages)} equal stages); "
+            f"density_warmup_steps=0 sends {final:g} from the first step")

@@ -19,7 +19,9 @@ launcher) with::
 
 on ports found free by binding to port 0 (``--port-base 20000`` asks for
 20000, 20001, ... instead). Worker 0 is the chief. Each output line (stdout and
-stderr merged) is printed as it comes, prefixed with ``[worker i] ``.
+stderr merged) is printed as it comes, prefixed with ``[worker i] ``, except
+TensorFlow's start-up log lines (``--verbose`` shows them); ``--chief-only``
+shows worker 0's lines alone.
 
 What the launcher guarantees:
 
@@ -93,9 +95,10 @@ import signal
 import socket
 import subprocess
 import sys
+import re
 import threading
 import time
-from typing import IO, Mapping, Optional, Sequence
+from typing import IO, Callable, Mapping, Optional, Sequence
 
 __all__ = ["LaunchResult", "RESTART_ENV", "describe_returncode", "find_free_ports", "make_tf_config", "pid_alive",
            "run_workers", "main"]
@@ -295,6 +298,28 @@ def _wait_all(procs, seconds):
             pass
 
 
+# Lines of a failed worker that --chief-only did not show, printed when it fails.
+FAILURE_TAIL_LINES = 40
+# TensorFlow's start-up log lines, which TF_CPP_MIN_LOG_LEVEL does not silence in TF 2.21: absl's notice
+# that logging is not set up yet, informational lines (oneDNN's, the CPU features), and the CPU features'
+# second line. Warnings and errors are not among them.
+STARTUP_LOG = re.compile(r"^(WARNING: All log messages before absl::InitializeLog\(\) is called|I\d{4} |"
+                         r"To enable the following instructions: )")
+
+
+def is_startup_log(line: str) -> bool:
+    """Whether a worker's output line is one of TensorFlow's start-up log lines (`STARTUP_LOG`)."""
+    return bool(STARTUP_LOG.match(line))
+
+
+def shown_lines(verbose: bool = False, chief_only: bool = False) -> Callable[[int, str], bool]:
+    """The `show` filter of `run_workers` that the command line's --verbose and --chief-only ask for:
+    TensorFlow's start-up lines hidden unless `verbose`; with `chief_only`, worker 0's lines alone."""
+    def show(index: int, line: str) -> bool:
+        return (index == 0 or not chief_only) and (verbose or not is_startup_log(line))
+    return show
+
+
 def _reader(
     index: int,
     pipe: IO[bytes],
@@ -302,12 +327,14 @@ def _reader(
     stream: Optional[IO[str]],
     prefix: bool,
     lock: threading.Lock,
+    show: Optional[Callable[[int, str], bool]] = None,
 ) -> None:
-    """Copy one worker's output into `sink` and, prefixed, to `stream`, line by line."""
+    """Copy one worker's output into `sink` and, prefixed, to `stream`, line by line (on `stream`
+    only the lines `show(index, line)` accepts)."""
     for raw in iter(pipe.readline, b""):
         line = raw.decode("utf-8", errors="replace")
         sink.append(line)
-        if stream is not None:
+        if stream is not None and (show is None or show(index, line)):
             text = line if line.endswith("\n") else line + "\n"
             try:
                 with lock:
@@ -348,6 +375,7 @@ def run_workers(
     grace_s: float = DEFAULT_GRACE_S,
     cwd: Optional[str] = None,
     restarts: int = 0,
+    show: Optional[Callable[[int, str], bool]] = None,
 ) -> LaunchResult:
     """Run `argv` as `n` local workers with TF_CONFIG set, and wait for them.
 
@@ -366,6 +394,9 @@ def run_workers(
       stream: where lines are streamed live; default `sys.stdout`.
       grace_s: seconds between SIGTERM and SIGKILL when stopping workers.
       cwd: working directory of the workers.
+      show: `show(worker_index, line)` says whether a line is streamed
+        (default: every line); the outputs in the result keep every line.
+        `shown_lines(verbose, chief_only)` is the command line's filter.
       restarts: how many times to start all workers again after a worker
         fails (exits non-zero or is killed). A timeout or a signal to the
         launcher never restarts. Each restart is announced on `stream` as
@@ -402,7 +433,7 @@ def run_workers(
         while True:
             attempt_ports = find_free_ports(n) if ports is None else list(ports)
             result = _run_attempt(n, argv, env, attempt, attempt_ports, deadline, line_prefix,
-                                  stream, lock, grace_s, cwd)
+                                  stream, lock, grace_s, cwd, show)
             if result.failed_worker is None or result.interrupted is not None or attempt >= restarts:
                 break
             if deadline is not None and time.monotonic() >= deadline:
@@ -434,6 +465,7 @@ def _run_attempt(
     lock: threading.Lock,
     grace_s: float,
     cwd: Optional[str],
+    show: Optional[Callable[[int, str], bool]] = None,
 ) -> LaunchResult:
     """Start all `n` workers once and wait until they all succeed, one fails,
     the deadline passes or the launcher gets a signal; then stop them all."""
@@ -462,7 +494,7 @@ def _run_attempt(
                 procs.append(proc)
                 t = threading.Thread(
                     target=_reader,
-                    args=(i, proc.stdout, outputs[i], stream, line_prefix, lock),
+                    args=(i, proc.stdout, outputs[i], stream, line_prefix, lock, show),
                     name=f"tf_topk-launch-reader-{i}",
                     daemon=True,
                 )
@@ -532,6 +564,11 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         "--grace", type=float, default=DEFAULT_GRACE_S, help="seconds between SIGTERM and SIGKILL"
     )
     parser.add_argument("--no-prefix", action="store_true", help="do not prefix lines with [worker i]")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="show TensorFlow's start-up log lines too (hidden by default)")
+    parser.add_argument("--chief-only", action="store_true",
+                        help="show worker 0's lines only (every worker still runs; when another worker "
+                        "fails, its last lines are printed)")
     parser.add_argument("script", help="the Python script each worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
@@ -576,6 +613,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ports=args.ports,
             grace_s=args.grace,
             restarts=args.restarts,
+            show=shown_lines(verbose=args.verbose, chief_only=args.chief_only),
         )
     except KeyboardInterrupt:
         print("tf_topk.launch: interrupted, workers stopped", file=sys.stderr)
@@ -592,6 +630,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif result.timed_out:
         print(f"tf_topk.launch: timed out after {args.timeout:g}s, workers stopped{unstopped}", file=sys.stderr)
     elif result.failed_worker is not None:
+        if args.chief_only and result.failed_worker != 0:  # its lines were not shown: its last ones now
+            lines = [line for line in result.outputs[result.failed_worker].splitlines() if not is_startup_log(line)]
+            print("\n".join(f"[worker {result.failed_worker}] {line}" for line in lines[-FAILURE_TAIL_LINES:]),
+                  file=sys.stderr)
         attempts = ""
         if result.attempts > args.restarts > 0:
             attempts = f" (no restarts left after {result.attempts} attempts)"

@@ -325,8 +325,7 @@ class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
 
     The frozen second moment keeps its per-entry shape, but not its scale: a
     model trained towards zero loss has gradients far smaller than in the
-    warm-up, and a frozen p would shrink every later step with them (0.7
-    points of accuracy on the synthetic task, at density 1). So each replica
+    warm-up, and a frozen p would shrink every later step with them. So each replica
     tracks, per variable, s = an EMA (beta_2) of its mean squared gradient,
     and scales p by sqrt(s_hat / s_hat at the warm-up's end): no
     communication, since the applied step is the exchanged sum whatever p

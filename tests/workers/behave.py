@@ -3,6 +3,7 @@
 No TensorFlow: it starts in milliseconds. Options (all optional):
   --record DIR        write TF_CONFIG and the argv to DIR/worker_{i}.json
   --stderr            also print a line to stderr
+  --startup-log       first print TensorFlow's start-up log lines (as TF 2.21 does) to stderr
   --no-newline        end with a partial line (no trailing newline)
   --exit I:CODE       worker I exits with CODE after --delay seconds (CODE -S: kills
                       itself with signal S)
@@ -26,6 +27,7 @@ import time
 p = argparse.ArgumentParser()
 p.add_argument("--record")
 p.add_argument("--stderr", action="store_true")
+p.add_argument("--startup-log", action="store_true")
 p.add_argument("--no-newline", action="store_true")
 p.add_argument("--exit", action="append", default=[])
 p.add_argument("--exit-attempts", type=int, default=None)
@@ -57,6 +59,12 @@ if args.pid_dir:
         json.dump({"pid": os.getpid(), "attempt": attempt, "tf_config": config}, f)
     os.replace(path + ".tmp", path)
 
+if args.startup_log:  # TensorFlow 2.21's lines, as a worker prints them with TF_CPP_MIN_LOG_LEVEL=2
+    print("WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n"
+          "I0000 00:00:1795887987.084910   19723 port.cc:153] oneDNN custom operations are on.\n"
+          "I0000 00:00:1795887987.152885   19723 cpu_feature_guard.cc:227] This TensorFlow binary is optimized.\n"
+          "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild TensorFlow.",
+          file=sys.stderr, flush=True)
 print(f"hello from {index}", flush=True)
 if args.stderr:
     print(f"stderr from {index}", file=sys.stderr, flush=True)

@@ -213,9 +213,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         its own k) or "bucket": one selection of the same total over all of
         a bucket's variables, each entry ranked by its magnitude over its
         variable's root mean square (a global top-k, each layer on its own
-        scale). Measured on a small convolutional network at density 0.001
-        with plain error feedback and DGC's warm-up: level with dense where
-        k per variable lost 0.75 points (benchmarks/RESULTS.md). Needs
+        scale); the recipe for CNNs, with plain error feedback and DGC's
+        warm-up (measured: benchmarks/RESULTS.md#one-selection-over-the-bucket-selection_scopebucket). Needs
         exchange_mode="allgather" and dense updates (else a ValueError):
 
           >>> opt = tf_topk.TopKOptimizer(
@@ -227,9 +226,9 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         with DGC's falling densities over the first 400 steps, four stages
         of 100 from 0.25 down (for 0.001: 0.25, 0.063, 0.016, 0.004), then
         the density given (`tf_topk.schedule.warmup_in_steps`; not with
-        Adam's momentum correction, whose first steps are dense). Without
-        it error feedback at 0.001 ended 4.3 points below dense on an MLP,
-        0.5 above with it (benchmarks/RESULTS.md). An
+        Adam's momentum correction, whose first steps are dense): it guards
+        against the losses of error feedback at 0.001 started cold (measured:
+        benchmarks/RESULTS.md#a-fixed-low-density-warms-up-by-default-density_warmup_steps). An
         int sets the length in steps; 0 switches it off, the density then
         from the first step. A schedule or an adaptive density warms up as it
         says: with those, only "auto" or 0. Under exchange_mode="auto" the

@@ -32,10 +32,9 @@ class AgreedIndexRoute(Route):
         replicas nominate is sent once (the later slot becomes spare). Same
         collectives and bytes as "leader". It aims where ARC-Top-K (sketching
         the sum of the replicas' top entries) aims, without a sketch: at 4
-        replicas and density 0.001 ScaleCom's leader rule left each replica
-        sending 0.14% of its accumulated energy against 0.78% for
-        all_gather, and lost 2.3 points of accuracy on the synthetic task
-        (benchmarks/RESULTS.md).
+        replicas and density 0.001 ScaleCom's leader rule sent a smaller share
+        of each replica's accumulated energy than all_gather and lost accuracy
+        (measured: benchmarks/RESULTS.md#agreed-indices-at-4-replicas-accuracy-against-all_gather-convergence---replicas-4).
       "leader": ScaleCom's rule, the leader's top-k for everyone.
     slots: agreed indices per variable as a multiple of its k (an int >= 1).
       Agreed indices update at most `slots` * k distinct entries a step where

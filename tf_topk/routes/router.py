@@ -23,8 +23,7 @@ DENSE_CARRY_BYTES = 64 * 1024
 # is the more accurate selection (agreed indices send k distinct entries a
 # step, all_gather up to P * k), and its bytes are small beside dense. At 4
 # replicas agreed indices matched all_gather at density 0.01 (P * k = n / 25)
-# and lost 1.9 points on the synthetic task at 0.001 (benchmarks/RESULTS.md,
-# "Agreed indices at 4 replicas").
+# and lost accuracy at 0.001 (measured: benchmarks/RESULTS.md#agreed-indices-at-4-replicas-accuracy-against-all_gather-convergence---replicas-4).
 ALLGATHER_SHARE = 1.0 / 16
 
 AUTO_ROUTES = {"allgather": ROUTES["allgather"], "allreduce": AgreedIndexRoute(slots=AUTO_AGREED_SLOTS),

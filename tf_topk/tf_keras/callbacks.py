@@ -7,13 +7,14 @@ from tf_topk.adapter import CompressionStatsLogic
 
 class CompressionStats(CompressionStatsLogic, tf_keras.callbacks.Callback):
     """Adds the last step's compression statistics to the logs of each epoch
-    (keys `topk_*`) and, with `log_dir`, writes them as TensorBoard scalars
-    (`topk/*`) every `update_freq` steps. See `tf_topk.keras.CompressionStats`.
+    (`topk_density` and `topk_bytes_ratio`; every `topk_*` with `logs="all"`)
+    and, with `log_dir`, writes them all as TensorBoard scalars (`topk/*`)
+    every `update_freq` steps. See `tf_topk.keras.CompressionStats`.
 
     Example:
       >>> model.fit(x, y, callbacks=[tf_topk.tf_keras.CompressionStats(log_dir="logs")])
     """
 
-    def __init__(self, log_dir=None, update_freq=50):
+    def __init__(self, log_dir=None, update_freq=50, logs="compact"):
         super().__init__()
-        self._init_stats(log_dir, update_freq)
+        self._init_stats(log_dir, update_freq, logs)
