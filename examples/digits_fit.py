@@ -189,7 +189,9 @@ def train(args, strategy):
         "compression": stats,
     }
     if chief:
-        ratio = f" ({dense_bytes / bytes_per_step:.0f}x fewer than dense)" if bytes_per_step and not args.dense else ""
+        fewer = dense_bytes / bytes_per_step if bytes_per_step and not args.dense else None
+        ratio = "" if fewer is None else f" ({fewer:.0f}x fewer than dense)" if fewer >= 1.05 else \
+            f" ({1 / fewer:.1f}x more than dense)" if fewer <= 1 / 1.05 else " (about as many as dense)"
         print(f"test accuracy: {test_accuracy:.4f}", flush=True)
         print(f"bytes sent per worker per step: {bytes_per_step:,.0f}{ratio}; dense all-reduce: {dense_bytes:,.0f}",
               flush=True)
