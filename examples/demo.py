@@ -59,7 +59,8 @@ def main(argv=None):
     print("\nOn localhost the network is free, so step times show the selection's cost, not its benefit;"
           "\n`python -m tf_topk.bench e2e` measures training over a bandwidth-limited network.")
     autopilot = rows[2][1]
-    print(f"\nWhat the autopilot found on localhost and chose:\n  {autopilot['autopilot']}")
+    print(f"\nWhat the autopilot chose on localhost, and why:\n  {autopilot['autopilot_decision']}")
+    print(f"  (its calibration: {autopilot['autopilot'].removeprefix('tf_topk autopilot: ')})")
     print(f"  (last step: density {autopilot['compression'].get('density', float('nan')):.4f}, route "
           f"{ROUTE_NAMES.get(round(autopilot['compression'].get('exchange_mode', -1)), '?')})")
     print("\n" + advice_paragraph(rows[0][1]["params"], args.workers, args.density))

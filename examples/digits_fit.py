@@ -177,6 +177,8 @@ def train(args, strategy):
         "params": int(params),
         "autopilot": None if args.dense or optimizer.exchange.autopilot_plan is None else
         optimizer.exchange.autopilot_plan.describe(),
+        "autopilot_decision": None if args.dense or optimizer.exchange.autopilot_plan is None else
+        optimizer.exchange.autopilot_plan.decision(),
         # Per epoch (its last step): the entries this worker sent, and k (the slots every worker fills;
         # with agreed indices a worker may hold 0 at an index another worker nominated).
         "densities": [end["density"] for end in epoch_stats],

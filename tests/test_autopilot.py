@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -19,8 +20,15 @@ from tf_topk.cost import CostModel, LinkModel
 WIDE = 12_609_546  # the e2e benchmark's wide model
 
 
-def _run(argv, timeout=120):
-    env = {**os.environ, **worker_env()}
+# The decision's line, as the chief prints it where the cluster was measured.
+DECISION = re.compile(r"^tf_topk autopilot: (every entry, dense(_bf16)?|\w+, adaptive density 0\.0001 to [\d.e-]+): "
+                      r"a step (timed|predicted) [\d,.]+ ms sending every entry, [\d,.]+ ms sparse"
+                      r"( at density 0\.0001)? \(sparse [\d.]+x as fast(, 1\.5x asked)?\); density=", re.M)
+
+
+def _run(argv, timeout=120, verbose=True):
+    """A worker script's run; `verbose`: TF_TOPK_VERBOSE=1, the calibration's figures under each decision."""
+    env = {**os.environ, **worker_env(), "TF_TOPK_VERBOSE": "1" if verbose else "0"}
     env.pop("TF_CONFIG", None)
     return subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -313,7 +321,7 @@ def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_load
     plan saved with the model."""
     proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_fit.py"), str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "tf_topk autopilot: calibration (" in proc.stderr
+    assert "tf_topk autopilot: calibration (" in proc.stderr and DECISION.search(proc.stderr), proc.stderr[-3000:]
     with open(tmp_path / "fit.json") as f:
         fit = json.load(f)
     assert fit["measured"] and fit["model"]["replicas"] == 2 and fit["density_config"] is None
@@ -343,8 +351,8 @@ def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_load
     # the same line; on 3 replicas, the cluster is measured again, and the line says why.
     same = _run([sys.executable, str(WORKERS_DIR / "autopilot_load.py"), str(tmp_path / "model.keras"), "2"])
     assert same.returncode == 0, same.stderr[-3000:]
-    assert "tf_topk autopilot: the plan saved with the model, for the same 2 replicas and model: calibration (" \
-        in same.stderr and "planning again" not in same.stderr
+    assert "tf_topk autopilot: the plan saved with the model, for the same 2 replicas and model: " in same.stderr
+    assert "planning again" not in same.stderr and fit["decision"].removeprefix("tf_topk autopilot: ") in same.stderr
     assert json.loads(same.stdout.strip().splitlines()[-1])["describe"] == fit["describe"]
     other = _run([sys.executable, str(WORKERS_DIR / "autopilot_load.py"), str(tmp_path / "model.keras"), "3"])
     assert other.returncode == 0, other.stderr[-3000:]

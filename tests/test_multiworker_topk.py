@@ -7,6 +7,7 @@ that tests compare are trained by one cluster per size (`two_workers`,
 """
 
 import json
+import re
 import subprocess
 import sys
 
@@ -121,6 +122,15 @@ def test_fit_makes_tensorflow_warn_of_nothing(two_workers):
     """Eight `fit`s with the wrapper (every exchange mode the runs take, Adam and SGD, mixed precision):
     no worker's output holds a TensorFlow warning."""
     assert [tensorflow_warnings(output) for output in two_workers["outputs"]] == [[], []]
+
+
+def test_the_chief_alone_says_what_the_autopilot_decided(two_workers):
+    """One line from worker 0: the decision, the step times behind it, how to override it (the
+    calibration's figures only with TF_TOPK_VERBOSE=1); nothing from worker 1."""
+    chief, other = two_workers["outputs"]
+    lines = [line for line in chief.splitlines() if line.startswith("tf_topk autopilot:")]
+    assert len(lines) == 1 and re.search(r": a step (timed|predicted) .*; density=", lines[0]), lines
+    assert "calibration (" not in chief and "tf_topk autopilot" not in other
 
 
 def test_the_chief_alone_announces_the_warmup(two_workers):

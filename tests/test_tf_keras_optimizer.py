@@ -7,6 +7,7 @@ mixed precision) are in tests/test_multiworker_tf_keras.py.
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -58,11 +59,12 @@ def test_the_default_measures_when_built_before_fit_and_says_so_when_fit_builds_
     nothing can be timed: the plan assumes a link and its line says to build first; built under the
     strategy's scope before fit, it measures the two replicas. Both train."""
     completed = subprocess.run([sys.executable, str(WORKERS_DIR / "tf_keras_default_fit.py")],
-                               env={**os.environ, **worker_env()}, cwd=REPO_ROOT, capture_output=True, text=True,
-                               timeout=180)
+                               env={**os.environ, **worker_env(), "TF_TOPK_VERBOSE": "1"}, cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=180)
     assert completed.returncode == 0, completed.stderr[-4000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     assert not report["built_by_fit"]["measured"] and report["built_before_fit"]["measured"]
+    assert re.search(r"^tf_topk autopilot: [^\n]*: a step (timed|predicted) [^\n]*; density=", completed.stderr, re.M)
     assert "tf_topk autopilot: nothing measured" in completed.stderr
     assert "build the optimizer under strategy.scope() before training" in completed.stderr
     assert "tf_topk autopilot: calibration (" in completed.stderr and "2 workers" in completed.stderr

@@ -30,7 +30,7 @@ what the autopilot would choose (`python -m tf_topk.bench advise`).
 
 import dataclasses
 import math
-import sys
+import os
 
 from tf_topk.cost import AUTO_AGREED_SLOTS, CostModel, LinkModel
 
@@ -57,6 +57,8 @@ CLOSE_CALL_SLACK = 0.05
 # noise, while every entry sent dense costs no accuracy. On localhost the demo's trial timed
 # the sparse step 1.2-1.35x faster, and trained slower than dense (9.0 ms against 7.7 ms a step).
 SPARSE_MUST_WIN_BY = 1.5
+# Set to 1, the chief prints the calibration's figures (`Plan.describe()`) under the decision's line.
+VERBOSE_ENV = "TF_TOPK_VERBOSE"
 # Densities `advise` tabulates.
 ADVISE_DENSITIES = (0.1, 0.01, 0.001, 0.0001)
 
@@ -84,12 +86,17 @@ class Plan:
         if trial is not None:
             dense_s, sparse_s = trial
             return "dense" if dense_s < SPARSE_MUST_WIN_BY * sparse_s else None
-        entries = max(1, self.entries)
-        fewest = max(1, math.ceil(MIN_DENSITY * entries))  # the sparse end's fastest step
-        small = self.small_entries
+        dense_s, sparse_s = self._predicted_steps()
+        return self.model.choose(max(1, self.entries), 0, ("dense", "dense_bf16"), self.small_entries) \
+            if dense_s <= sparse_s else None
+
+    def _predicted_steps(self):
+        """(the faster of dense and dense_bf16, the sparse end's fastest step), predicted seconds."""
+        entries, small = max(1, self.entries), self.small_entries
+        fewest = max(1, math.ceil(MIN_DENSITY * entries))
         sparse = min(self.model.route_time(route, fewest, entries, small) for route in ("allgather", "allreduce"))
         dense = self.model.choose(entries, 0, ("dense", "dense_bf16"), small)
-        return dense if self.model.route_time(dense, 0, entries, small) <= sparse else None
+        return self.model.route_time(dense, 0, entries, small), sparse
 
     def route(self):
         """The route this plan's router takes for one bucket of every
@@ -173,6 +180,32 @@ class Plan:
         return cls(_cost_model(config["model"]), Calibration(points={}, **calibration), config["entries"],
                    config["small_entries"])
 
+    def decision(self):
+        """The line the chief prints: what the plan runs, why (the step times it compared: timed where
+        the calibration timed both steps, else predicted) and how to override it. The figures behind
+        it are `describe()`'s, printed too with TF_TOPK_VERBOSE=1."""
+        if self.entries == 0 or self.model.replicas == 1 or self.calibration is None:
+            return self.describe()  # nothing measured: that line says what runs and why
+        dense = self.dense_route()
+        trial = self.calibration.trial()
+        if trial is not None:
+            dense_s, sparse_s = trial
+            how = "timed"
+        else:  # `dense_route`'s comparison: every entry against the sparse end's fastest step
+            dense_s, sparse_s = self._predicted_steps()
+            how = "predicted"
+        where = "" if trial is not None else f" at density {MIN_DENSITY:g}"
+        asked = "" if trial is None else f", {SPARSE_MUST_WIN_BY:g}x asked"
+        times = (f"a step {how} {dense_s * 1e3:,.1f} ms sending every entry, {sparse_s * 1e3:,.1f} ms sparse{where} "
+                 f"(sparse {dense_s / sparse_s:.2f}x as fast{asked})" if sparse_s > 0 else
+                 f"a step {how} {dense_s * 1e3:,.1f} ms sending every entry")
+        if dense:
+            return (f"tf_topk autopilot: every entry, {dense}: {times}; density=0.01 (any fixed density) "
+                    f"sparsifies anyway, TF_TOPK_VERBOSE=1 prints the calibration")
+        return (f"tf_topk autopilot: {self.route()}, adaptive density {MIN_DENSITY:g} to {self.max_density():.3g}: "
+                f"{times}; density=1.0 sends every entry, density=0.01 a fixed density, TF_TOPK_VERBOSE=1 "
+                "prints the calibration")
+
     def describe(self):
         dense = self.dense_route()
         top = self.max_density()
@@ -240,6 +273,8 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
     line says why."""
     import tensorflow as tf
 
+    from tf_topk.notices import tell
+
     strategy = strategy or tf.distribute.get_strategy()
     if saved is not None:
         restored = Plan.from_config(saved)
@@ -247,14 +282,13 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
         then = (restored.model.replicas, restored.entries, restored.small_entries)
         if now == then:
             if log:
-                print(f"tf_topk autopilot: the plan saved with the model, for the same {now[0]} replicas and "
-                      f"model: {restored.describe().removeprefix('tf_topk autopilot: ')}", file=sys.stderr,
-                      flush=True)
+                tell(f"tf_topk autopilot: the plan saved with the model, for the same {now[0]} replicas and "
+                     f"model: {restored.decision().removeprefix('tf_topk autopilot: ')}")
             return restored
         if log:
-            print(f"tf_topk autopilot: the plan saved with the model was made for {_replicas(then[0])} and "
-                  f"{then[1]:,} + {then[2]:,} entries; here {_replicas(now[0])} and {now[1]:,} + {now[2]:,}: "
-                  "planning again", file=sys.stderr, flush=True)
+            tell(f"tf_topk autopilot: the plan saved with the model was made for {_replicas(then[0])} and "
+                 f"{then[1]:,} + {then[2]:,} entries; here {_replicas(now[0])} and {now[1]:,} + {now[2]:,}: "
+                 "planning again")
     outside_replicas = not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context()
     # One replica: nothing travels, so nothing to measure (the assumed link's plan is every entry, dense).
     if entries > 0 and strategy.num_replicas_in_sync > 1 and tf.executing_eagerly() and outside_replicas:
@@ -263,15 +297,17 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
         if found is None:
             found = _MEASURED[key] = measure(strategy, entries, small_entries, budget_s)
         elif log:
-            print("tf_topk autopilot: the same cluster and model sizes as an earlier plan in this process: its "
-                  "measurement reused", file=sys.stderr, flush=True)
+            tell("tf_topk autopilot: the same cluster and model sizes as an earlier plan in this process: its "
+                 "measurement reused")
         model = dataclasses.replace(found.model, agreed_slots=AUTO_AGREED_SLOTS)
         result = Plan(model, found, entries, small_entries)
     else:
         model = CostModel.from_link(strategy.num_replicas_in_sync, ASSUMED_LINK)
         result = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries)
     if log:
-        print(result.describe(), file=sys.stderr, flush=True)
+        tell(result.decision())
+        if os.environ.get(VERBOSE_ENV, "0") not in ("", "0") and result.decision() != result.describe():
+            tell(result.describe())
     return result
 
 

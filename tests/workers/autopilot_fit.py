@@ -32,7 +32,7 @@ with strategy.scope():  # in a traced function nothing can be timed: the typed-i
 model.save(os.path.join(out, "model.keras"))
 with open(os.path.join(out, "fit.json"), "w") as f:
     json.dump({"measured": plan.calibration is not None, "trial": plan.calibration and plan.calibration.trial(),
-               "model": dataclasses.asdict(plan.model), "describe": plan.describe(),
+               "model": dataclasses.asdict(plan.model), "describe": plan.describe(), "decision": plan.decision(),
                "router": type(optimizer.exchange.router).__name__, "stats": optimizer.compression_stats(),
                "density_config": optimizer.get_config()["density"], "loss": history.history["loss"],
                "traced_measured": traced[0].calibration is not None, "traced_replicas": traced[0].model.replicas}, f)
