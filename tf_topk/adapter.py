@@ -24,11 +24,10 @@ import threading
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from tf_topk.config import WARMUP_INITIAL_DENSITY, ExchangeConfig
+from tf_topk.config import ExchangeConfig
 from tf_topk.exchange import STAT_NAMES, SparseExchange
 from tf_topk.memory import state_name
 from tf_topk.notices import tell
-from tf_topk.schedule import warmup_in_steps
 
 # ExchangeConfig's fields, which get_config writes flat beside the wrapper's own
 # keys, and from_config gathers into one ExchangeConfig again.
@@ -595,8 +594,7 @@ class CompressionStatsLogic:
         if last >= warmup:
             return
         final = config.schedule.settled_density()
-        reached = [d for step, d in warmup_in_steps(warmup, final=final, initial=WARMUP_INITIAL_DENSITY)
-                   if step <= last][-1]
+        reached = [d for step, d in config.schedule.steps if step <= last][-1]  # the warm-up's stage then
         tell(f"tf_topk: this fit ends at step {last + 1}, inside the {warmup}-step warm-up of density {final:g}: "
              f"its last steps send density {reached:.2g}, not {final:g}; density_warmup_steps=0 (or a shorter "
              "warm-up) trains at the density given")

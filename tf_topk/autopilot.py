@@ -305,8 +305,9 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
         model = CostModel.from_link(strategy.num_replicas_in_sync, ASSUMED_LINK)
         result = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries)
     if log:
-        tell(result.decision())
-        if os.environ.get(VERBOSE_ENV, "0") not in ("", "0") and result.decision() != result.describe():
+        decision = result.decision()
+        tell(decision)
+        if os.environ.get(VERBOSE_ENV, "0") not in ("", "0") and decision != result.describe():
             tell(result.describe())
     return result
 

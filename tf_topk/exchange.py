@@ -46,13 +46,12 @@ import tensorflow as tf
 
 from tf_topk import autopilot, ops
 from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFAULT_MIN_SIZE: public here too)
-from tf_topk.config import FIXED_DEFAULT_DENSITY, WARMUP_INITIAL_DENSITY
+from tf_topk.config import FIXED_DEFAULT_DENSITY
 from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable, memory_for
 from tf_topk.notices import tell
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
 from tf_topk.routes import (MODE_CODES, AgreedIndexRoute, AgreedOrDenseRoute, AllGatherOrDenseRoute, AllGatherRoute,
                             Bucket, Router, all_reduce_dense, carries, ring_all_reduce_bytes, router_for, taken_out)
-from tf_topk.schedule import warmup_in_steps
 from tf_topk.selector import Selector, TopKSelector, select_over_bucket
 from tf_topk.step_density import replica_counter, step_density_for
 from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401  public here too
@@ -577,7 +576,7 @@ def _unpack(summed, small, count):
 def describe_density_warmup(config):
     """The line that announces a fixed density's warm-up: what runs, for how long, how to switch it off."""
     steps, final = config.density_warmup_taken, config.schedule.settled_density()
-    stages = [density for _, density in warmup_in_steps(steps, final=final, initial=WARMUP_INITIAL_DENSITY)[:-1]]
+    stages = [density for _, density in config.schedule.steps[:-1]]  # the schedule the warm-up runs
     return (f"tf_topk: density {final:g} after a {steps}-step warm-up (Deep Gradient Compression's falling "
             f"densities {', '.join(f'{d:.2g}' for d in stages)} in {len(stages)} equal stages); "
             f"density_warmup_steps=0 sends {final:g} from the first step")
