@@ -206,6 +206,35 @@ def test_a_close_call_is_decided_by_the_steps_timed_whole():
     assert faster.max_density() == 0.1  # one sparse size timed: no slope, the whole range
 
 
+def test_the_decision_line_says_what_runs_why_and_how_to_override_it():
+    """What the chief prints: the decision first, the step times it compared (timed, or predicted where
+    the trial did not run), then the override; the calibration's figures are describe()'s."""
+    from tf_topk.autopilot import Plan
+    from tf_topk.calibrate import Calibration
+
+    model = CostModel.from_link(4, "1gbit")
+
+    def timed(dense_s, sparse_s):
+        return Plan(model, Calibration(model, {}, 200_000, dense_s, 4.8e-3, 2.0, sparse_s, 1.3e-3, 633), 200_000)
+
+    assert timed(9e-3, 7e-3).decision() == (
+        "tf_topk autopilot: every entry, dense: a step timed 9.0 ms sending every entry, 7.0 ms sparse (sparse 1.29x "
+        "as fast, 1.5x asked); density=0.01 (any fixed density) sparsifies anyway, TF_TOPK_VERBOSE=1 prints the "
+        "calibration")
+    faster = timed(9e-3, 5e-3)
+    assert DECISION.search(faster.decision()) and faster.decision().startswith(
+        f"tf_topk autopilot: {faster.route()}, adaptive density 0.0001 to 0.1: a step timed 9.0 ms sending every "
+        "entry, 5.0 ms sparse (sparse 1.80x as fast, 1.5x asked); density=1.0 sends every entry")
+    untimed = timed(9e-3, None)  # no trial: the prediction dense_route compares
+    dense_s, sparse_s = untimed._predicted_steps()
+    assert dense_s > sparse_s and untimed.dense_route() is None
+    assert f"a step predicted {dense_s * 1e3:,.1f} ms sending every entry, {sparse_s * 1e3:,.1f} ms sparse at " \
+        "density 0.0001" in untimed.decision() and DECISION.search(untimed.decision())
+    assert "calibration (" in faster.describe() and "calibration (" not in faster.decision()
+    one = Plan(CostModel.from_link(1, "1gbit"), None, 200_000)  # nothing measured: its line is the decision
+    assert one.decision() == one.describe() == "tf_topk autopilot: one replica, nothing to exchange; every entry, dense"
+
+
 def test_two_timed_sparse_steps_cap_the_range_where_a_step_would_reach_dense_or_the_slack():
     from tf_topk.autopilot import CLOSE_CALL_SLACK, MAX_DENSITY, MIN_DENSITY, Plan
     from tf_topk.calibrate import Calibration
