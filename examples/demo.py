@@ -19,7 +19,7 @@ import sys
 import tempfile
 import textwrap
 
-from tf_topk.autopilot import advise, format_advice
+from tf_topk.autopilot import advise
 from tf_topk.cost import CostModel
 from tf_topk.launch import run_workers, shown_lines
 

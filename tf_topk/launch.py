@@ -93,15 +93,15 @@ import json
 import os
 import signal
 import socket
+import re
 import subprocess
 import sys
-import re
 import threading
 import time
 from typing import IO, Callable, Mapping, Optional, Sequence
 
-__all__ = ["LaunchResult", "RESTART_ENV", "describe_returncode", "find_free_ports", "make_tf_config", "pid_alive",
-           "run_workers", "main"]
+__all__ = ["LaunchResult", "RESTART_ENV", "describe_returncode", "find_free_ports", "is_startup_log", "make_tf_config",
+           "pid_alive", "run_workers", "shown_lines", "main"]
 
 TIMEOUT_EXIT_CODE = 124  # the same code as coreutils timeout(1)
 DEFAULT_GRACE_S = 5.0
