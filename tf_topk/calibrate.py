@@ -153,8 +153,10 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     budget_s: a bound on the calibration's time: the collectives' calls get
       two thirds (the all_gather's at most one, the all-reduce's what it
       left; a size whose predicted time would overrun is not timed), the
-      compute's timing at most COMPUTE_SHARE, the trial at most a third and
-      what is left; the one trace per function comes on top.
+      compute's timing at most COMPUTE_SHARE, then the whole steps (the trial,
+      or the dense all-reduce alone) at most a third, set aside for them
+      whatever the parts before took (at most 7/6 of budget_s in all); the one
+      trace per function comes on top.
     small_entries: float32 entries of the dense path beside `entries` (small
       variables): in the dense all-reduce, and carried by the trial's all_gather.
     trial_density: the sparse step the trial times (k = ceil(trial_density *
@@ -215,7 +217,6 @@ def _collected_on_return():
 def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_max_density, profile_density, phases):
     """`calibrate`'s work (its `seconds` set by the caller), each part's seconds into `phases`."""
     replicas = strategy.num_replicas_in_sync
-    start = time.perf_counter()
     largest = entries or (1 << 22)
 
     def timed(phase, function, *args):
@@ -236,18 +237,16 @@ def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_
         points["all_reduce"], _ = timed("all_reduce", _time_collective, strategy, "all_reduce", largest, left)
     selection, rounding, pair = timed("compute", _time_compute, SELECTION_ENTRIES, entries or SELECTION_ENTRIES,
                                       budget_s * COMPUTE_SHARE)
-    # The time spent so far travels with the numbers: every later branch is decided on the slowest
-    # worker's clock, the same everywhere (a worker that arrived first and waited in the first
-    # collective has a later clock of its own, and would skip a collective the others run).
-    local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair,
-             time.perf_counter() - start]
+    # No later branch reads a clock: each worker's own would differ (one that arrived first waited in
+    # the first collective), and a worker skipping a collective the others run would hang them.
+    local = [*_line(points["all_reduce"]), *_line(points["all_gather"]), selection, rounding, pair]
     agreed = timed("agree", slowest, strategy, local)
     model = CostModel(replicas, LinkModel(agreed[0], agreed[1]), LinkModel(agreed[2], agreed[3]), agreed[4],
                       agreed[5], pair_s=agreed[6])
     if entries is None:
         return Calibration(model, points, entries, None, None, 0.0)
     found = timed("steps", _time_steps, strategy, model, entries, small_entries, trial_density, trial_max_density,
-                  profile_density, budget_s, agreed[7])
+                  profile_density, budget_s)
     return dataclasses.replace(refit_where_contradicted(found, small_entries), points=points)
 
 
@@ -279,12 +278,12 @@ def refit_where_contradicted(found, small_entries=0):
 
 
 def _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
-                budget_s, elapsed):
+                budget_s):
     """A Calibration of `model` with the whole steps timed (no points, seconds 0): the
-    trial where the call is close and its calls fit a third of the budget and
-    what is left of it, else the dense all-reduce alone where it fits what is left.
-    `elapsed` is the slowest worker's time so far (agreed): every branch here
-    is the same on every worker, so their collectives pair up."""
+    trial where the call is close, else the dense all-reduce alone, where its
+    calls fit the third of the budget set aside for the steps. Every branch is
+    decided on the agreed model and the budget, the same on every worker, so
+    their collectives pair up."""
     replicas = model.replicas
     dense_predicted_s = model.route_time("dense", 0, entries, small_entries)
     dense_step = _of_size(_collective(strategy, "all_reduce"), entries + small_entries)
@@ -298,9 +297,11 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
             predicted_max_s = model.route_time("allgather", k_max, entries, small_entries)
     close = k is not None and max(dense_predicted_s, sparse_predicted_s) <= \
         CLOSE_CALL * min(dense_predicted_s, sparse_predicted_s)
+    # The steps' third is set aside whatever the parts before took (on a loaded machine their traces
+    # overran a 3 s budget to 4.6 s, and a close call was then decided on the line, not on timed steps;
+    # a line read 16x too fast went without the timed dense all-reduce that refits it).
     if replicas > 1 and close and \
-            (TRIAL_REPEATS + 1) * (dense_predicted_s + sparse_predicted_s + predicted_max_s) <= \
-            min(budget_s / 3, budget_s - elapsed):
+            (TRIAL_REPEATS + 1) * (dense_predicted_s + sparse_predicted_s + predicted_max_s) <= budget_s / 3:
         depth = profile_density if callable(profile_density) else lambda density: profile_density
         # One gradient and residual for both sparse steps: the trial's memory is the model's
         # gradient a few times over (`calibrate`), not once more for each step.
@@ -310,8 +311,8 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
             steps.append(_sparse_step(strategy, inputs, k_max, depth(k_max / entries)))
         dense_s, sparse_s, *more = slowest(strategy, interleaved_medians(steps, TRIAL_REPEATS))
         sparse_max_s = more[0] if more else None
-    elif replicas > 1 and 2 * dense_predicted_s < budget_s - elapsed:
-        dense_s = _dense_all_reduce_within(strategy, dense_step, budget_s - elapsed)
+    elif replicas > 1 and 2 * dense_predicted_s <= budget_s / 3:
+        dense_s = _dense_all_reduce_within(strategy, dense_step, budget_s / 3)
     return Calibration(model, {}, entries, dense_s, dense_predicted_s, 0.0, sparse_s, sparse_predicted_s, k,
                        sparse_max_s, k_max if sparse_max_s is not None else None)
 

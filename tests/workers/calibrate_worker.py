@@ -3,11 +3,11 @@
 workers: MultiWorkerMirroredStrategy from TF_CONFIG (one replica per worker);
 local:N: MirroredStrategy over N logical CPUs of this process;
 trial: time the dense and two sparse steps whole (densities 0.003 and 0.03),
-however far apart the time model puts them, within a 3 s budget (the trial gets what is left of
-its last third, which a loaded machine's compute timing can eat at 1.5 s).
+however far apart the time model puts them, within a 3 s budget (the steps' third is set aside
+for them, however long a loaded machine took over the parts before).
 late: worker 1 starts calibrating 4 s after worker 0 (it built its model later), with a 3 s
-budget: worker 0's own clock is then past the budget when it decides whether to time the dense
-all-reduce, worker 1's is not.
+budget: worker 0's own clock is then past the budget when the dense all-reduce is decided on,
+worker 1's is not.
 """
 
 import dataclasses
