@@ -196,6 +196,23 @@ def test_the_per_strategy_cache_does_not_keep_its_strategy_alive():
     assert alive() is None
 
 
+def test_the_trials_sparse_step_is_read_from_each_rounds_ratio(monkeypatch):
+    """Five rounds of a dense and a sparse step, the sparse one 0.8x the dense one's time, where load
+    made the first two rounds 4x slower and a burst the third round's sparse call alone: separate medians
+    read sparse 0.31x as fast, the rounds' ratios 1.25x (the digits MLP's trial read 0.85x to 2.19x in
+    20 runs of one script with separate medians; 0.85x to 1.45x with the rounds' ratios)."""
+    from tf_topk import calibrate
+
+    dense = [4.0, 4.0, 1.0, 1.0, 1.0]
+    sparse = [3.2, 3.2, 3.2, 0.8, 0.8]
+    calls = iter(t for pair in zip(dense, sparse) for t in pair)
+    monkeypatch.setattr(calibrate, "_block", lambda result: None)
+    monkeypatch.setattr(calibrate, "_seconds_of", lambda function: next(calls))
+    dense_s, sparse_s = calibrate.paired_with_the_first([lambda: None, lambda: None], 5)
+    assert dense_s == 1.0 and dense_s / sparse_s == pytest.approx(1.25)
+    assert calibrate.statistics.median(dense) / calibrate.statistics.median(sparse) == pytest.approx(0.3125)
+
+
 def test_densifying_is_never_read_as_free():
     """A bucket of the demo's size (49,152 entries) read 0 us per M pairs with 4,096 timed pairs (a scatter
     of none took longer); with 65,536 pairs, or the whole scatter as the stated fallback, a pair costs."""

@@ -75,8 +75,8 @@ FLAT_LINE_ENTRIES = 1 << 20
 LATENCY_BOUND = 1.5
 # The share of the budget the compute's timing takes at most (`_time_compute`), after the collectives' two thirds.
 COMPUTE_SHARE = 1 / 6
-# Rounds of the trial's steps, each step called once a round (the median is kept), after one
-# call of each that traces. The steps take turns, so a burst of load on the machine slows all.
+# Rounds of the trial's steps, each step called once a round, after one call of each that traces.
+# The steps take turns, so a burst of load slows both calls of a round (`paired_with_the_first`).
 TRIAL_REPEATS = 5
 
 
@@ -309,7 +309,7 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
         steps = [dense_step, _sparse_step(strategy, inputs, k, depth(k / entries))]
         if k_max is not None and k_max > k:
             steps.append(_sparse_step(strategy, inputs, k_max, depth(k_max / entries)))
-        dense_s, sparse_s, *more = slowest(strategy, interleaved_medians(steps, TRIAL_REPEATS))
+        dense_s, sparse_s, *more = slowest(strategy, paired_with_the_first(steps, TRIAL_REPEATS))
         sparse_max_s = more[0] if more else None
     elif replicas > 1 and 2 * dense_predicted_s <= budget_s / 3:
         dense_s = _dense_all_reduce_within(strategy, dense_step, budget_s / 3)
@@ -401,6 +401,18 @@ def interleaved_medians(functions, repeats):
     function once in turn, after one call of each that traces: whatever else
     the machine runs meanwhile falls on all of them alike, not on one."""
     return [statistics.median(seconds) for seconds in _interleaved_times(functions, repeats)]
+
+
+def paired_with_the_first(functions, repeats):
+    """Seconds of each function over `repeats` interleaved rounds: the first's
+    median, and each other one's as that median over the median of the rounds'
+    ratios (first / other). A burst of load that slows one round slows both
+    calls of it and drops out of their ratio; separate medians let such bursts
+    decide a close trial (the digits MLP's sparse step read 0.93x to 2.19x as fast
+    as the dense one in ten runs of one script on an idle machine)."""
+    first, *others = _interleaved_times(functions, repeats)
+    median = statistics.median(first)
+    return [median, *(median / statistics.median(a / b for a, b in zip(first, other)) for other in others)]
 
 
 def median_difference(function, baseline, repeats, within_s=None):
