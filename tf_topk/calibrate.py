@@ -77,7 +77,12 @@ LATENCY_BOUND = 1.5
 COMPUTE_SHARE = 1 / 6
 # Rounds of the trial's steps, each step called once a round, after one call of each that traces.
 # The steps take turns, so a burst of load slows both calls of a round (`paired_with_the_first`).
+# The trial runs where TRIAL_REPEATS rounds fit its third of the budget (as the line predicts them),
+# and takes as many more, up to TRIAL_MAX_ROUNDS, as fit: a median of more rounds scatters less
+# around a close call (a wide MLP's trial read sparse 1.22x to 2.02x as fast in ten runs of 5 rounds,
+# against the 1.5x the autopilot asks). The count comes from agreed values: every worker runs as many.
 TRIAL_REPEATS = 5
+TRIAL_MAX_ROUNDS = 15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,8 +305,8 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
     # The steps' third is set aside whatever the parts before took (on a loaded machine their traces
     # overran a 3 s budget to 4.6 s, and a close call was then decided on the line, not on timed steps;
     # a line read 16x too fast went without the timed dense all-reduce that refits it).
-    if replicas > 1 and close and \
-            (TRIAL_REPEATS + 1) * (dense_predicted_s + sparse_predicted_s + predicted_max_s) <= budget_s / 3:
+    rounds = trial_rounds(dense_predicted_s + (sparse_predicted_s or 0.0) + predicted_max_s, budget_s)
+    if replicas > 1 and close and rounds >= TRIAL_REPEATS:
         depth = profile_density if callable(profile_density) else lambda density: profile_density
         # One gradient and residual for both sparse steps: the trial's memory is the model's
         # gradient a few times over (`calibrate`), not once more for each step.
@@ -309,12 +314,21 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
         steps = [dense_step, _sparse_step(strategy, inputs, k, depth(k / entries))]
         if k_max is not None and k_max > k:
             steps.append(_sparse_step(strategy, inputs, k_max, depth(k_max / entries)))
-        dense_s, sparse_s, *more = slowest(strategy, paired_with_the_first(steps, TRIAL_REPEATS))
+        dense_s, sparse_s, *more = slowest(strategy, paired_with_the_first(steps, rounds))
         sparse_max_s = more[0] if more else None
     elif replicas > 1 and 2 * dense_predicted_s <= budget_s / 3:
         dense_s = _dense_all_reduce_within(strategy, dense_step, budget_s / 3)
     return Calibration(model, {}, entries, dense_s, dense_predicted_s, 0.0, sparse_s, sparse_predicted_s, k,
                        sparse_max_s, k_max if sparse_max_s is not None else None)
+
+
+def trial_rounds(round_s, budget_s):
+    """Rounds of the trial whose calls (one round predicted `round_s`), after
+    the round that traces, fit a third of `budget_s`: at most TRIAL_MAX_ROUNDS;
+    fewer than TRIAL_REPEATS means no trial."""
+    if round_s <= 0:
+        return TRIAL_MAX_ROUNDS
+    return min(TRIAL_MAX_ROUNDS, math.floor(budget_s / 3 / round_s) - 1)
 
 
 def _dense_all_reduce_within(strategy, dense_step, left_s):
