@@ -482,3 +482,17 @@ def test_a_measured_plan_round_trips_through_json_and_is_replanned_on_another_cl
             "and 200,000 + 17: planning again") in capsys.readouterr().err
     with pytest.raises(ValueError, match="only a measured plan is saved"):
         Plan(model, None, n).get_config()
+
+
+@pytest.mark.slow
+def test_the_decision_tally_runs_a_script_and_counts_its_routes():
+    """benchmarks/decision_tally.py, which RESULTS' determinism rows come from: one run of two workers,
+    its decision line, the tally by route; a bad count is refused."""
+    tally = [sys.executable, str(REPO_ROOT / "benchmarks" / "decision_tally.py")]
+    proc = _run([*tally, "--runs", "0"])
+    assert proc.returncode == 2 and "--runs must be >= 1, got 0" in proc.stderr
+    proc = _run([*tally, "--runs", "1"], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run, tally_line = proc.stdout.strip().splitlines()[-2:]
+    assert DECISION.search(run.removeprefix("run 1: ")), run
+    assert tally_line in ("tally: 1 every entry", "tally: 1 allgather", "tally: 1 allreduce"), tally_line
