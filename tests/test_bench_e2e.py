@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tf_topk.bench import e2e, netns
+from tf_topk.calibrate import CONTRADICTED
 from tf_topk.launch import pid_alive
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -422,8 +423,11 @@ def test_autopilot_sends_little_on_a_slow_link_and_bf16_halves_the_dense_bytes()
         assert 0.4 < bf16["wire_tx_bytes_per_step"] / dense["wire_tx_bytes_per_step"] < 0.65
         facts = autopilot["autopilot"]
         assert facts["line"].startswith("tf_topk autopilot: calibration (")
-        # The measured link: within a factor of two of 10 Mbit/s (1.25 MB/s; TCP and framing take their share).
-        assert 0.5 / 1.25e6 < facts["model"]["all_reduce"]["seconds_per_byte"] < 2 / 1.25e6, facts
+        # The measured link: within CONTRADICTED (3x) of 10 Mbit/s (1.25 MB/s; TCP and framing take their share),
+        # what the calibration keeps a line to where it times the dense all-reduce (else it refits through that
+        # call). The line of a few small sizes read 20 Mbit/s once, beside a timed all-reduce at 10 Mbit/s.
+        assert 1 / CONTRADICTED / 1.25e6 < facts["model"]["all_reduce"]["seconds_per_byte"] < \
+            CONTRADICTED / 1.25e6, facts
         # It sends little: a sparse route, a small part of dense's bytes (the adaptive density moves with the
         # gradients: 3 to 11% of dense's bytes in the runs seen, 10.7% once; the top of its range, 0.1, would
         # send about a fifth).
