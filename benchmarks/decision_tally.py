@@ -57,8 +57,10 @@ def main(argv=None):
     decisions = collections.Counter()
     try:
         for run in range(1, args.runs + 1):
-            proc = subprocess.run([sys.executable, "-m", "tf_topk.launch", "--workers", "2", "--chief-only",
-                                   "--no-prefix", *script], cwd=REPO, capture_output=True, text=True, timeout=600,
+            # The launcher's own --timeout stops its workers; the outer one is only a backstop.
+            proc = subprocess.run([sys.executable, "-m", "tf_topk.launch", "--workers", "2", "--timeout", "540",
+                                   "--chief-only", "--no-prefix", *script], cwd=REPO, capture_output=True, text=True,
+                                  timeout=600,
                                   env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
             lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("tf_topk autopilot:")]
             line = lines[0] if lines else f"no decision line (exit {proc.returncode})"

@@ -321,6 +321,7 @@ print(json.dumps([found.seconds, found.dense_s, found.sparse_s, found.trial_k]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trial", ["trial", "dense alone"])
 def test_the_steps_third_of_the_budget_is_set_aside_for_them(trial):
     """The whole steps decide a close call (the trial) or refit a misread line (the dense all-reduce), so
