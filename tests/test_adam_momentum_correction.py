@@ -12,7 +12,6 @@ mixed precision, and the errors.
 import json
 import math
 import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from digits_models import digits, mlp
-from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+from multiworker import PYTHON, REPO_ROOT, WORKERS_DIR, worker_env
 from selection_reference import nominated_indices, top_k_indices
 
 import tf_topk
@@ -103,8 +102,8 @@ def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("adam") / "replicas.npz"
     config = json.dumps(dict(shapes=SHAPES, min_size=MIN_SIZE, density=DENSITY, replicas=REPLICAS, steps=STEPS,
                              warmup_steps=WARMUP, learning_rate=LR, weight_decay=WD, nan_step=NAN_STEP, runs=RUNS))
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "adam_replicas.py"), str(path), config],
-                          cwd=REPO_ROOT, env=worker_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "adam_replicas.py"), str(path), config],
+                          cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(path) as saved:
@@ -167,8 +166,8 @@ def test_auto_takes_the_route_of_error_feedback_after_the_warmup(tmp_path, repli
     by the route "auto" gives plain error feedback at the same density and replica count (0.001:
     all_gather up to 4 replicas; 0.3: all_gather, then dense at 4), and by a dense step before."""
     path = tmp_path / "modes.json"
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "adam_routes.py"), str(replicas), str(path)],
-                          cwd=REPO_ROOT, env=worker_env(CUDA_VISIBLE_DEVICES=""), capture_output=True, text=True,
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "adam_routes.py"), str(replicas), str(path)],
+                          cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     modes = json.loads(path.read_text())

@@ -9,7 +9,6 @@ Each case compares the largest move of an entry with Keras's Adam on the same da
 
 import json
 import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from digits_models import digits, mlp
-from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+from multiworker import PYTHON, REPO_ROOT, WORKERS_DIR, worker_env
 
 import tf_topk
 
@@ -148,7 +147,7 @@ def test_the_custom_training_tutorial_keeps_weights_within_a_few_times_adams(tmp
     with Adam's momentum correction as the default the largest dense kernel weight reached 31-460
     (plain Adam: 0.19) and the training loss climbed to 3,831."""
     out = tmp_path / "journey.json"
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "adam_journey.py"), str(out), "5", "adam", "topk",
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "adam_journey.py"), str(out), "5", "adam", "topk",
                            "topk_0.001", "topk_correction"], cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+from multiworker import PYTHON, REPO_ROOT, WORKERS_DIR, worker_env
 from tf_topk.autopilot import SPARSE_MUST_WIN_BY, Plan, advise
 from tf_topk.cost import CostModel, LinkModel
 
@@ -77,7 +77,7 @@ def test_a_fast_link_advises_dense_for_a_small_model():
 
 
 def test_advise_command_describes_a_cluster(tmp_path):
-    proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", str(WIDE), "--workers", "8",
+    proc = _run([*PYTHON, "-m", "tf_topk.bench", "advise", "--params", str(WIDE), "--workers", "8",
                  "--link", "100mbit", "--densities", "0.01,0.001", "--json"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -88,15 +88,15 @@ def test_advise_command_describes_a_cluster(tmp_path):
     assert rows["topk:0.01@allreduce"]["bytes"] == pytest.approx(2 * 2 * 7 / 8 * 4 * 2 * 126_096)  # on 2k slots
     assert out["choices"] == {"0.01": "allreduce", "0.001": "allreduce"}
     assert out["autopilot"] == "allreduce" and out["autopilot_range"] == [0.0001, 0.1]
-    proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "1000", "--link", "fast"])
+    proc = _run([*PYTHON, "-m", "tf_topk.bench", "advise", "--params", "1000", "--link", "fast"])
     assert proc.returncode == 2 and "--link: bandwidth must look like 100mbit" in proc.stderr
-    proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "0"])
+    proc = _run([*PYTHON, "-m", "tf_topk.bench", "advise", "--params", "0"])
     assert proc.returncode == 2 and "--params must be >= 1, got 0" in proc.stderr
 
 
 @pytest.mark.timing
 def test_advise_command_calibrates_this_machine():
-    proc = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "500000", "--workers", "2",
+    proc = _run([*PYTHON, "-m", "tf_topk.bench", "advise", "--params", "500000", "--workers", "2",
                  "--calibrate", "--budget", "1"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("calibration (") and "2 workers" in proc.stdout.splitlines()[0]
@@ -129,7 +129,7 @@ def test_any_model_size_trains_with_the_default_under_two_replicas(tmp_path):
     """No sparsifiable variable (a 161-parameter model): the dense plan, nothing measured, one line
     saying so (it was "fitting a link needs at least two different sizes"); one variable of exactly
     min_size; a 4M-entry model; a plan for a single entry measures; the same model again reuses."""
-    proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_sizes.py"), str(tmp_path)], timeout=300)
+    proc = _run([*PYTHON, str(WORKERS_DIR / "autopilot_sizes.py"), str(tmp_path)], timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(tmp_path / "sizes.json") as f:
         sizes = json.load(f)
@@ -152,7 +152,7 @@ def test_any_model_size_trains_with_the_default_under_two_replicas(tmp_path):
     assert again["same calibration"] and again["measured"] and again["loss"][-1] < again["loss"][0]
     assert again["lines"][0] == ("tf_topk autopilot: the same cluster and model sizes as an earlier plan in this "
                                  "process: its measurement reused")
-    advise = _run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", "1", "--workers", "2", "--calibrate",
+    advise = _run([*PYTHON, "-m", "tf_topk.bench", "advise", "--params", "1", "--workers", "2", "--calibrate",
                    "--budget", "0.5"])
     assert advise.returncode == 0, advise.stderr[-3000:]
 
@@ -348,7 +348,7 @@ def test_autopilot_is_a_density_that_saves_as_itself():
 def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_loads_in_a_new_process(tmp_path):
     """TopKOptimizer(SGD) with no density: the autopilot, measured when fit builds the optimizer, and its
     plan saved with the model."""
-    proc = _run([sys.executable, str(WORKERS_DIR / "autopilot_fit.py"), str(tmp_path)], timeout=180)
+    proc = _run([*PYTHON, str(WORKERS_DIR / "autopilot_fit.py"), str(tmp_path)], timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "tf_topk autopilot: calibration (" in proc.stderr and DECISION.search(proc.stderr), proc.stderr[-3000:]
     with open(tmp_path / "fit.json") as f:
@@ -378,12 +378,12 @@ def test_the_default_fit_on_a_local_link_takes_the_step_it_timed_faster_and_load
     assert load.stdout.split() == ["TopKOptimizer", "None", "True"]
     # Loaded on the same cluster (2 replicas), the plan saved with the model is the plan: nothing measured,
     # the same line; on 3 replicas, the cluster is measured again, and the line says why.
-    same = _run([sys.executable, str(WORKERS_DIR / "autopilot_load.py"), str(tmp_path / "model.keras"), "2"])
+    same = _run([*PYTHON, str(WORKERS_DIR / "autopilot_load.py"), str(tmp_path / "model.keras"), "2"])
     assert same.returncode == 0, same.stderr[-3000:]
     assert "tf_topk autopilot: the plan saved with the model, for the same 2 replicas and model: " in same.stderr
     assert "planning again" not in same.stderr and fit["decision"].removeprefix("tf_topk autopilot: ") in same.stderr
     assert json.loads(same.stdout.strip().splitlines()[-1])["describe"] == fit["describe"]
-    other = _run([sys.executable, str(WORKERS_DIR / "autopilot_load.py"), str(tmp_path / "model.keras"), "3"])
+    other = _run([*PYTHON, str(WORKERS_DIR / "autopilot_load.py"), str(tmp_path / "model.keras"), "3"])
     assert other.returncode == 0, other.stderr[-3000:]
     assert "the plan saved with the model was made for 2 replicas and " in other.stderr
     assert "here 3 replicas" in other.stderr and "planning again" in other.stderr
@@ -455,7 +455,7 @@ def test_where_every_entry_goes_dense_one_all_reduce_flushes_the_residuals(capsy
 
 
 def test_the_dense_route_overhead_benchmark_names_a_bad_argument():
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "dense_route_overhead.py"), "--repeats", "0"],
+    proc = subprocess.run([*PYTHON, str(REPO_ROOT / "benchmarks" / "dense_route_overhead.py"), "--repeats", "0"],
                           cwd=REPO_ROOT, env={**os.environ, **worker_env()}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--repeats and --epochs must be >= 1, got 0 and 4" in proc.stderr, proc.stderr

@@ -21,13 +21,12 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from multiworker import (LAUNCH_CLI, REPO_ROOT, assert_ok, kill_recorded_workers, launch, load_json, load_weights,
+from multiworker import (FORKSERVER, LAUNCH_CLI, PYTHON, REPO_ROOT, assert_ok, kill_recorded_workers, launch, load_json, load_weights,
                          run_script, worker_env)
 
 keras = pytest.importorskip("keras")
@@ -319,7 +318,7 @@ def test_digits_example_backs_up_and_cleans_up(tmp_path):
     backup_dir = tmp_path / "backup"
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "examples" / "digits_fit.py"), "--dense", "--epochs", "2",
+    proc = subprocess.run([*PYTHON, str(REPO_ROOT / "examples" / "digits_fit.py"), "--dense", "--epochs", "2",
                            "--verbose", "0", "--backup-dir", str(backup_dir), "--out", str(tmp_path / "out")],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -342,7 +341,7 @@ def _kill_worker_1_mid_epoch_3(tmp_path, *options):
     worker_tmp.mkdir()
     proc = subprocess.Popen(
         [*LAUNCH_CLI, "--workers", "2", "--restarts", "1", "--timeout", "110",
-         str(REPO_ROOT / "tests" / "workers" / "backup_fit.py"), "--backup-dir", str(backup_dir), "--out", str(out),
+         str(FORKSERVER), str(REPO_ROOT / "tests" / "workers" / "backup_fit.py"), "--backup-dir", str(backup_dir), "--out", str(out),
          "--epochs", str(EPOCHS), "--pause-at", "2:4", *options],
         cwd=REPO_ROOT, env={**os.environ, **worker_env(TMPDIR=str(worker_tmp))}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -429,7 +428,7 @@ def _assert_backup_holds_each_workers_state(backup_dir, states):
 def test_workers_that_see_different_backups_refuse_to_train(tmp_path):
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
-    seeded = subprocess.run([sys.executable, str(REPO_ROOT / "tests" / "workers" / "backup_fit.py"), "--dense",
+    seeded = subprocess.run([*PYTHON, str(REPO_ROOT / "tests" / "workers" / "backup_fit.py"), "--dense",
                              "--backup-dir", str(tmp_path / "chief"), "--out", str(tmp_path), "--fail-at", "1:0"],
                             env=env, capture_output=True, text=True, timeout=120)
     assert seeded.returncode != 0 and "failing on purpose" in seeded.stderr

@@ -2,12 +2,13 @@
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from multiworker import PYTHON, subprocess_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
@@ -33,8 +34,8 @@ def test_diagnosis_counts_what_each_variable_sent_after_the_warmup():
 
 @pytest.mark.slow
 def test_k_floor_trial_sends_at_least_the_floor_of_every_variable():
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "64",
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "64",
                            "--dataset", "signals", "--densities", "0.001", "--methods", "topk_ef", "--seeds", "1",
                            "--epochs", "1", "--density-warmup-steps", "0", "--json"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True,
@@ -48,8 +49,8 @@ def test_k_floor_trial_sends_at_least_the_floor_of_every_variable():
 
 @pytest.mark.slow
 def test_k_floor_trial_names_a_bad_floor():
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "0"],
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, str(REPO_ROOT / "benchmarks" / "k_floor_trial.py"), "--floor", "0"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--floor must be >= 1, got 0" in proc.stderr, proc.stderr[-2000:]
 
@@ -70,8 +71,8 @@ def test_dense_warmup_trial_sends_every_entry_then_the_density():
 
 @pytest.mark.slow
 def test_dense_warmup_trial_names_a_bad_fraction():
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "dense_warmup_trial.py"),
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, str(REPO_ROOT / "benchmarks" / "dense_warmup_trial.py"),
                            "--warmup-fraction", "1.5"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "--warmup-fraction must be in (0, 1], got 1.5" in proc.stderr, proc.stderr[-2000:]
@@ -97,8 +98,8 @@ def test_global_topk_trial_ranks_by_plain_magnitude():
 
 @pytest.mark.slow
 def test_global_topk_trial_prints_what_each_variable_sent():
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "global_topk_trial.py"), "--print-counts",
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, str(REPO_ROOT / "benchmarks" / "global_topk_trial.py"), "--print-counts",
                            "--dataset", "shapes", "--densities", "0.001", "--methods", "topk_ef", "--seeds", "1",
                            "--epochs", "1", "--density-warmup-steps", "0", "--json"], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True,

@@ -6,15 +6,15 @@ made before TensorFlow starts) and one bad argument go through the command line.
 import argparse
 import json
 import math
-import os
 import re
 import statistics
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from multiworker import PYTHON, subprocess_env
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,10 +174,7 @@ def convergence_in_process(capsys, *args):
 
 
 def run_convergence(*args, timeout=240):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    return subprocess.run([sys.executable, "-m", "tf_topk.bench", "convergence", *args], cwd=REPO_ROOT, env=env,
+    return subprocess.run([*PYTHON, "-m", "tf_topk.bench", "convergence", *args], cwd=REPO_ROOT, env=subprocess_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
 
 

@@ -2,17 +2,14 @@
 
 import pytest
 import json
-import os
 import subprocess
 import sys
 
-from multiworker import REPO_ROOT, worker_env
+from multiworker import REPO_ROOT, subprocess_env
 
 
 def _bench(*args, timeout=180):
-    env = {**os.environ, **worker_env()}
-    env.pop("TF_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "tf_topk.bench", "gather", *args], cwd=REPO_ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "tf_topk.bench", "gather", *args], cwd=REPO_ROOT, env=subprocess_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -6,13 +6,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 import tensorflow as tf
 
-from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
+from multiworker import PYTHON, REPO_ROOT, WORKERS_DIR, assert_ok, run_script, subprocess_env, worker_env
 from tf_topk.calibrate import median_difference
 from tf_topk.cost import AGREED_SPEEDUP, CostModel, LinkModel, ring_bytes
 
@@ -234,9 +233,8 @@ def test_densifying_is_never_read_as_free():
 
 @pytest.mark.timing
 def test_calibration_under_mirrored_strategy(tmp_path):
-    env = {**os.environ, **worker_env()}
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "calibrate_worker.py"), str(tmp_path), "local:2"],
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "calibrate_worker.py"), str(tmp_path), "local:2"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = _read(tmp_path, 0)
@@ -255,9 +253,8 @@ def _check_trial(found):
 
 @pytest.mark.timing
 def test_the_trial_times_both_steps_whole_under_mirrored_strategy(tmp_path):
-    env = {**os.environ, **worker_env()}
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "calibrate_worker.py"), str(tmp_path), "local:2",
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "calibrate_worker.py"), str(tmp_path), "local:2",
                            "trial"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     _check_trial(_read(tmp_path, 0))
@@ -328,9 +325,8 @@ def test_the_steps_third_of_the_budget_is_set_aside_for_them(trial):
     their third is kept whatever the parts before took: on CI's loaded machine those parts made a 3 s
     calibration take 4.6 s, the plan then decided on the line alone, and a 10 Mbit/s link read as
     159 Mbit/s was never refit."""
-    env = {**os.environ, **worker_env()}
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", AFTER_AN_OVERRUN, trial], cwd=REPO_ROOT, env=env,
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, "-c", AFTER_AN_OVERRUN, trial], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     seconds, dense_s, sparse_s, k = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -414,7 +410,7 @@ def test_the_calibrations_memory_is_a_few_gradients_a_replica_and_none_is_kept()
     gradient and residual serve both sparse steps (7.2 before), and nothing is held once it returns
     (2.9 gradients a replica were, until Python's next garbage collection)."""
     env = {**os.environ, **worker_env(TF_CPU_ALLOCATOR_USE_BFC="true")}
-    proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
+    proc = subprocess.run([*PYTHON, "-c", MEMORY_SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -455,9 +451,8 @@ print(json.dumps({"sizes": sizes, "points": found.points,
 
 
 def _calibrate_on_scripted_timings(formula, entries, budget_s):
-    env = {**os.environ, **worker_env()}
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPTED_TIMINGS, formula, str(entries), str(budget_s)],
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, "-c", SCRIPTED_TIMINGS, formula, str(entries), str(budget_s)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -4,7 +4,6 @@ applies and where not, how it routes, and what it refuses, from the config to `m
 import json
 import os
 import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tf_topk
-from multiworker import REPO_ROOT, worker_env
+from multiworker import PYTHON, REPO_ROOT, worker_env
 from tf_topk.config import DEFAULT_DENSITY_WARMUP_STEPS, WARMUP_UP_TO_DENSITY
 from tf_topk.schedule import dgc_warmup, warmup_in_steps
 
@@ -155,7 +154,7 @@ def test_auto_routes_the_warmup_as_any_falling_schedule(replicas):
     for the whole run, where 0.001 alone takes all_gather."""
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", ROUTES_SCRIPT, str(replicas)], cwd=REPO_ROOT, env=env,
+    proc = subprocess.run([*PYTHON, "-c", ROUTES_SCRIPT, str(replicas)], cwd=REPO_ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])

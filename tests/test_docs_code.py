@@ -1,22 +1,22 @@
 """Every Python block of the README and the guide (docs/) runs as written.
 
 A complete block runs in a new process from an empty folder, and TensorFlow
-warns of nothing there. A block that cannot run alone (it needs a Slurm
+warns of nothing there (the process is forked from one that has imported
+TensorFlow, tests/forkserver.py; a block that sets up Keras 2 runs in the
+interpreter itself). A block that cannot run alone (it needs a Slurm
 cluster, say) is a fragment and says so on its first line,
 `# A fragment of examples/NAME.py ...`: the example it names exists and a test
 runs it, the block is valid Python, and every `tf_topk.` name it uses exists.
 """
 
 import importlib
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from multiworker import REPO_ROOT, worker_env
+from multiworker import PYTHON, REPO_ROOT, subprocess_env
 from tensorflow_warnings import tensorflow_warnings
 
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "examples" / "README.md"]
@@ -49,11 +49,10 @@ def test_the_guide_shows_code_and_most_of_it_runs():
 @pytest.mark.slow
 @pytest.mark.parametrize("where,code", COMPLETE, ids=[where for where, _ in COMPLETE])
 def test_a_complete_block_runs_as_written(where, code, tmp_path):
-    env = {**os.environ, **worker_env()}
-    env.pop("TF_CONFIG", None)
+    env = subprocess_env()
     env.pop("TF_USE_LEGACY_KERAS", None)
     # subprocess.run kills the block's process if it runs past the timeout.
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run([*PYTHON, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, f"{where}\n{code}\n--- stderr\n{proc.stderr[-4000:]}"
     assert tensorflow_warnings(proc.stdout + proc.stderr) == [], where

@@ -8,11 +8,10 @@ before returning.
 import io
 import os
 import subprocess
-import sys
 
 import pytest
 
-from multiworker import REPO_ROOT, assert_ok, load_json, run_workers, worker_env
+from multiworker import PYTHON, REPO_ROOT, assert_ok, load_json, run_workers, worker_env
 from tensorflow_warnings import tensorflow_warnings
 
 EXAMPLE = str(REPO_ROOT / "examples" / "custom_loop.py")
@@ -27,13 +26,13 @@ def example_env(env=None):
 
 def run_example(*args, env=None, timeout=TIMEOUT_S):
     """Run the example in one process; subprocess.run kills it at the timeout."""
-    return subprocess.run([sys.executable, EXAMPLE, *map(str, args)], cwd=REPO_ROOT, env=example_env(env),
+    return subprocess.run([*PYTHON, EXAMPLE, *map(str, args)], cwd=REPO_ROOT, env=example_env(env),
                           capture_output=True, text=True, timeout=timeout)
 
 
 def run_examples_in_parallel(*arg_lists, timeout=TIMEOUT_S):
     """Run several single-process runs side by side; all are killed if one overruns."""
-    procs = [subprocess.Popen([sys.executable, EXAMPLE, *map(str, args)], cwd=REPO_ROOT, env=example_env(),
+    procs = [subprocess.Popen([*PYTHON, EXAMPLE, *map(str, args)], cwd=REPO_ROOT, env=example_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in arg_lists]
     try:
         outputs = [p.communicate(timeout=timeout) for p in procs]
@@ -135,7 +134,7 @@ def test_one_replica_with_adam():
 
 @pytest.mark.slow
 def test_two_workers_through_the_launcher(tmp_path):
-    argv = [sys.executable, EXAMPLE, "--epochs", 2, "--steps", 8, "--check-replicas",
+    argv = [*PYTHON, EXAMPLE, "--epochs", 2, "--steps", 8, "--check-replicas",
             "--summary-json", tmp_path / "summary_{worker}.json"]
     result = run_workers(2, list(map(str, argv)), env=worker_env(), timeout=TIMEOUT_S, cwd=str(REPO_ROOT),
                          stream=io.StringIO())
@@ -165,7 +164,7 @@ def test_argument_errors(args, message):
 def test_logical_cpus_refused_under_tf_config():
     full_env = {**os.environ, **worker_env(), "TF_CONFIG": '{"cluster": {"worker": ["localhost:1"]}, '
                                                           '"task": {"type": "worker", "index": 0}}'}
-    proc = subprocess.run([sys.executable, EXAMPLE, "--logical-cpus", "2"], cwd=REPO_ROOT, env=full_env,
+    proc = subprocess.run([*PYTHON, EXAMPLE, "--logical-cpus", "2"], cwd=REPO_ROOT, env=full_env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--logical-cpus is for single-process runs" in proc.stderr, proc.stderr
 

@@ -7,12 +7,11 @@ the reference, started alongside the first; and `resume --no-import`.
 
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from multiworker import REPO_ROOT, load_json, worker_env
+from multiworker import PYTHON, REPO_ROOT, load_json, worker_env
 from tensorflow_warnings import tensorflow_warnings
 
 EXAMPLE = str(REPO_ROOT / "examples" / "saved_model_training.py")
@@ -23,7 +22,7 @@ TRAIN_STEPS, RESUME_STEPS = 30, 10
 def start(*args):
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
-    return subprocess.Popen([sys.executable, EXAMPLE, *map(str, args)], cwd=REPO_ROOT, env=env,
+    return subprocess.Popen([*PYTHON, EXAMPLE, *map(str, args)], cwd=REPO_ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

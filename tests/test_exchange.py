@@ -12,12 +12,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+from multiworker import PYTHON, REPO_ROOT, WORKERS_DIR, worker_env
 
 SHAPES = [(40, 50), (300,), (3000,), (25, 80)]  # 2000, 300 (dense: below min_size), 3000, 2000 entries
 MIN_SIZE, DENSITY, REPLICAS, STEPS = 1000, 0.01, 2, 3
@@ -116,7 +115,7 @@ def data(tmp_path_factory):
     env = {**os.environ, **worker_env()}
     config = json.dumps(dict(shapes=SHAPES, min_size=MIN_SIZE, density=DENSITY, replicas=REPLICAS, steps=STEPS,
                              momentum=MOMENTUM, local_clipnorm=LOCAL_CLIPNORM))
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "exchange_replicas.py"), str(path), config],
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "exchange_replicas.py"), str(path), config],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(path) as saved:
@@ -257,8 +256,8 @@ print(json.dumps(report))
 def test_a_non_finite_replica_makes_every_replica_keep_its_residual(sparse_output, tmp_path):
     """The finite flag travels with the pairs: the finite replicas learn about
     the NaN after selecting, and must still leave their residuals as they were."""
-    proc = subprocess.run([sys.executable, "-c", NAN_CODE, "1" if sparse_output else "0"], cwd=str(tmp_path),
-                          env=dict(worker_env(), TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+    proc = subprocess.run([*PYTHON, "-c", NAN_CODE, "1" if sparse_output else "0"], cwd=str(tmp_path),
+                          env=worker_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first, skipped, third = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -323,8 +322,8 @@ print(json.dumps(report))
 @pytest.fixture(scope="module")
 def three_replicas(tmp_path_factory):
     """THREE_REPLICAS_CODE's report (one process, 3 logical CPUs)."""
-    proc = subprocess.run([sys.executable, "-c", THREE_REPLICAS_CODE], cwd=str(tmp_path_factory.mktemp("three")),
-                          env=dict(worker_env(), TF_CPP_MIN_LOG_LEVEL="3"), capture_output=True, text=True,
+    proc = subprocess.run([*PYTHON, "-c", THREE_REPLICAS_CODE], cwd=str(tmp_path_factory.mktemp("three")),
+                          env=worker_env(), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])

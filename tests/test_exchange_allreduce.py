@@ -16,13 +16,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, worker_env
+from multiworker import PYTHON, REPO_ROOT, WORKERS_DIR, assert_ok, run_script, subprocess_env, worker_env
 from selection_reference import nominated_indices, top_k_indices
 from tf_topk.routes import (ALLGATHER_SHARE, AUTO_AGREED_SLOTS, AUTO_ROUTES, MODE_CODES, choose_mode, mode_bytes,
                             ring_all_reduce_bytes)
@@ -169,7 +168,7 @@ def local_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("agreed_local")
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "agreed_replicas.py"), str(out), json.dumps(CONFIG)],
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "agreed_replicas.py"), str(out), json.dumps(CONFIG)],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with np.load(out / "local.npz") as saved:
@@ -349,9 +348,7 @@ def test_keras_fit_on_three_replicas_switches_from_dense_to_agreed_indices(tmp_p
         print("RESULT " + json.dumps(dict(modes=modes, losses=history.history["loss"],
                                           identical=all(np.array_equal(kernels[0], k) for k in kernels))))
     """)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+    proc = subprocess.run([*PYTHON, "-c", code], cwd=str(tmp_path), env=subprocess_env(), capture_output=True, text=True,
                           timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))

@@ -6,13 +6,13 @@ passed to SparseExchange, with no change to the exchange.
 
 import os
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from multiworker import PYTHON, subprocess_env
 import tf_topk
 from tf_topk.memory import Compensation, ErrorFeedbackMemory, NoMemory, make_state_variable
 from tf_topk.routes import (DENSE_CARRY_BYTES, AllGatherRoute, Bucket, carry_in_gather, gather_bytes,
@@ -159,9 +159,7 @@ def test_all_gather_route_with_two_replicas_sums_pairs_and_dense_tensors(tmp_pat
             for local in strategy.experimental_local_results(result):
                 print(name, local.numpy().tolist())
     """)
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+    proc = subprocess.run([*PYTHON, "-c", code], cwd=str(tmp_path), env=subprocess_env(), capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines()
@@ -268,9 +266,7 @@ def test_a_new_route_plugs_into_the_exchange(tmp_path):
             print("small", float(strategy.experimental_local_results(small)[r].numpy()[0]))
             print("mode", float(strategy.experimental_local_results(mode)[r].numpy()))
     """)
-    env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+    proc = subprocess.run([*PYTHON, "-c", code], cwd=str(tmp_path), env=subprocess_env(), capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.split(" ")[0] in ("big", "small", "mode")]

@@ -1,12 +1,10 @@
 """`tf_topk.gather.all_gather_rows`: TensorFlow's all_gather result in one collective, not two."""
 
 import pytest
-import os
 import subprocess
-import sys
 import textwrap
 
-from multiworker import REPO_ROOT
+from multiworker import PYTHON, subprocess_env
 
 CODE = textwrap.dedent("""
     import json, sys
@@ -44,9 +42,7 @@ CODE = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_rows_gathered_in_one_collective_equal_tensorflows_all_gather(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), TF_CPP_MIN_LOG_LEVEL="3")
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", CODE], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+    proc = subprocess.run([*PYTHON, "-c", CODE], cwd=str(tmp_path), env=subprocess_env(), capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json

@@ -13,17 +13,15 @@ count of cases that passed with a wrapper is the one README.md states.
 """
 
 import json
-import os
 import re
 import subprocess
-import sys
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import keras
 import pytest
 
-from multiworker import REPO_ROOT, worker_env
+from multiworker import PYTHON, REPO_ROOT, subprocess_env
 
 KERAS_SRC = Path(keras.__file__).resolve().parent / "src"
 TEST_FILES = sorted(str(p) for p in (KERAS_SRC / "optimizers").glob("*_test.py")) + \
@@ -80,10 +78,11 @@ def run_keras_tests(options, tmp_path):
     """({"Class::case": "passed" | "failed" | "skipped"}, {"Class::case": TopKOptimizers it built}) of
     Keras's tests run against the wrapper; a case is a parametrized test's one case."""
     report, built = tmp_path / "report.xml", tmp_path / "built.json"
-    env = {**os.environ, **worker_env(TF_TOPK_CONFORMANCE=json.dumps(options), TF_TOPK_CONFORMANCE_BUILT=str(built))}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT / "tests"), env["PYTHONPATH"]])
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "keras_conformance",
+    env = subprocess_env(TF_TOPK_CONFORMANCE=json.dumps(options), TF_TOPK_CONFORMANCE_BUILT=str(built))
+    # pytest run with this folder on sys.path (for the plugin), in a process of its own.
+    run_pytest = f"import sys; sys.path.insert(0, {str(REPO_ROOT / 'tests')!r}); import pytest; " \
+                 "sys.exit(pytest.main(sys.argv[1:]))"
+    proc = subprocess.run([*PYTHON, "-c", run_pytest, "-q", "-p", "no:cacheprovider", "-p", "keras_conformance",
                            "--rootdir", str(tmp_path), f"--junitxml={report}", *TEST_FILES],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert report.exists() and built.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]

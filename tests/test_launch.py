@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from multiworker import LAUNCH_CLI, REPO_ROOT, WORKERS_DIR, launch, load_json, run_script, wait_dead, worker_env
+from multiworker import LAUNCH_CLI, REPO_ROOT, WORKERS_DIR, launch, load_json, run_behave, wait_dead, worker_env
 
 BEHAVE = str(WORKERS_DIR / "behave.py")
 
 
 def test_tf_config_has_free_distinct_ports_and_own_index(tmp_path):
-    result = run_script("behave.py", "--record", tmp_path, "extra-arg", workers=3, timeout=30)
+    result = run_behave("--record", tmp_path, "extra-arg", workers=3, timeout=30)
     assert result.ok, result.format_failure()
     assert len(set(result.ports)) == 3 and all(0 < p < 65536 for p in result.ports)
     for i in range(3):
@@ -30,7 +30,7 @@ def test_tf_config_has_free_distinct_ports_and_own_index(tmp_path):
 
 def test_output_is_prefixed_merged_and_captured():
     stream = io.StringIO()
-    result = run_script("behave.py", "--stderr", "--no-newline", workers=2, timeout=30, stream=stream)
+    result = run_behave("--stderr", "--no-newline", workers=2, timeout=30, stream=stream)
     assert result.ok, result.format_failure()
     lines = stream.getvalue().splitlines()
     assert lines and all(re.match(r"\[worker [01]\] ", line) for line in lines), lines
@@ -43,14 +43,14 @@ def test_output_is_prefixed_merged_and_captured():
 
 def test_no_prefix():
     stream = io.StringIO()
-    result = run_script("behave.py", workers=2, timeout=30, stream=stream, line_prefix=False)
+    result = run_behave(workers=2, timeout=30, stream=stream, line_prefix=False)
     assert result.ok
     assert sorted(stream.getvalue().splitlines()) == ["hello from 0", "hello from 1"]
 
 
 def test_failing_worker_code_propagates_and_hanging_sibling_is_stopped():
     # Worker 0 would sleep 1000 s; worker 1 exits 3 after 0.3 s.
-    result = run_script("behave.py", "--exit", "1:3", "--hang", workers=2, timeout=60, stream=io.StringIO())
+    result = run_behave("--exit", "1:3", "--hang", workers=2, timeout=60, stream=io.StringIO())
     assert result.failed_worker == 1
     assert result.returncode == 3
     assert result.returncodes[1] == 3
@@ -60,8 +60,8 @@ def test_failing_worker_code_propagates_and_hanging_sibling_is_stopped():
 
 
 def test_sigterm_ignoring_sibling_gets_sigkill():
-    result = run_script(
-        "behave.py", "--exit", "1:4", "--hang", "--ignore-sigterm",
+    result = run_behave(
+        "--exit", "1:4", "--hang", "--ignore-sigterm",
         workers=2, timeout=60, grace_s=0.5, stream=io.StringIO(),
     )
     assert result.returncode == 4
@@ -69,8 +69,8 @@ def test_sigterm_ignoring_sibling_gets_sigkill():
 
 
 def test_grandchildren_are_stopped_with_their_worker(tmp_path):
-    result = run_script(
-        "behave.py", "--grandchild", tmp_path, "--exit", "1:5", "--delay", "1.0", "--hang",
+    result = run_behave(
+        "--grandchild", tmp_path, "--exit", "1:5", "--delay", "1.0", "--hang",
         workers=2, timeout=60, stream=io.StringIO(),
     )
     assert result.returncode == 5, result.format_failure()
@@ -79,7 +79,7 @@ def test_grandchildren_are_stopped_with_their_worker(tmp_path):
 
 
 def test_timeout_stops_everything():
-    result = run_script("behave.py", "--hang", workers=2, timeout=1.0, stream=io.StringIO())
+    result = run_behave("--hang", workers=2, timeout=1.0, stream=io.StringIO())
     assert result.timed_out
     assert result.returncode == launch.TIMEOUT_EXIT_CODE == 124
     assert all(c is not None and c < 0 for c in result.returncodes)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from multiworker import LAUNCH_CLI, REPO_ROOT, WORKERS_DIR, launch, load_json, run_script, wait_dead, worker_env
+from multiworker import LAUNCH_CLI, REPO_ROOT, WORKERS_DIR, launch, load_json, run_behave, wait_dead, worker_env
 
 BEHAVE = str(WORKERS_DIR / "behave.py")
 
@@ -43,7 +43,7 @@ def _cli(*args, timeout=60):
 
 def test_failure_on_first_attempt_then_success(tmp_path):
     stream = io.StringIO()
-    result = run_script("behave.py", "--exit", "1:3", "--exit-attempts", "1", "--pid-dir", tmp_path,
+    result = run_behave("--exit", "1:3", "--exit-attempts", "1", "--pid-dir", tmp_path,
                         workers=2, timeout=60, stream=stream, restarts=2)
     assert result.ok, result.format_failure()
     assert result.attempts == 2
@@ -91,7 +91,7 @@ def test_cli_always_failing_stops_after_n_restarts_with_its_code(tmp_path):
 
 
 def test_library_result_after_restarts_run_out(tmp_path):
-    result = run_script("behave.py", "--exit", "0:-15", "--pid-dir", tmp_path,
+    result = run_behave("--exit", "0:-15", "--pid-dir", tmp_path,
                         workers=2, timeout=60, stream=io.StringIO(), restarts=1)
     assert result.returncode == 128 + signal.SIGTERM
     assert result.attempts == 2 and len(result.earlier) == 1
@@ -101,7 +101,7 @@ def test_library_result_after_restarts_run_out(tmp_path):
 
 def test_restarts_0_keeps_the_old_behaviour(tmp_path):
     stream = io.StringIO()
-    result = run_script("behave.py", "--exit", "1:3", "--hang", "--pid-dir", tmp_path,
+    result = run_behave("--exit", "1:3", "--hang", "--pid-dir", tmp_path,
                         workers=2, timeout=60, stream=stream)
     assert result.returncode == 3 and result.failed_worker == 1
     assert result.returncodes[0] == -signal.SIGTERM
@@ -116,7 +116,7 @@ def test_restarts_0_keeps_the_old_behaviour(tmp_path):
 def test_timeout_covers_all_attempts(tmp_path):
     # Each attempt fails after ~2 s; the 3 s budget leaves room for one restart
     # only, which is stopped at the deadline, not given 3 s of its own.
-    result = run_script("behave.py", "--exit", "1:3", "--delay", "2", "--hang", "--pid-dir", tmp_path,
+    result = run_behave("--exit", "1:3", "--delay", "2", "--hang", "--pid-dir", tmp_path,
                         workers=2, timeout=3.0, stream=io.StringIO(), restarts=5)
     assert result.timed_out, result.format_failure()
     assert result.returncode == launch.TIMEOUT_EXIT_CODE

@@ -5,14 +5,13 @@ with the model of the same two replicas run in one process."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from multiworker import REPO_ROOT, worker_env
+from multiworker import PYTHON, REPO_ROOT, worker_env
 from tf_topk.launch import run_workers
 
-COMMAND = [sys.executable, str(REPO_ROOT / "examples" / "text_fit.py"), "--steps", "12", "--warmup", "3",
+COMMAND = [*PYTHON, str(REPO_ROOT / "examples" / "text_fit.py"), "--steps", "12", "--warmup", "3",
            "--layers", "1", "--width", "32", "--density", "0.01"]
 
 

@@ -12,13 +12,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from multiworker import (LAUNCH_CLI, REPO_ROOT, WORKERS_DIR, assert_ok, kill_when_written, load_json, load_weights,
-                         run_script, worker_env)
+from multiworker import (FORKSERVER, KERAS_2, LAUNCH_CLI, PYTHON, REPO_ROOT, WORKERS_DIR, assert_ok,
+                         kill_when_written, load_json, load_weights, run_script, subprocess_env, worker_env)
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +29,7 @@ STEPS_PER_EPOCH = 1440 // 32
 def fit(out, *args, workers=2):
     """Run the worker script on `workers` workers; returns (reports, weights) per worker."""
     out.mkdir(parents=True)
-    assert_ok(run_script(SCRIPT, "--out", out, *args, workers=workers))
+    assert_ok(run_script(SCRIPT, "--out", out, *args, workers=workers, env=KERAS_2))
     return ([load_json(out / f"worker{i}.json") for i in range(workers)],
             [load_weights(out / f"worker{i}.npz") for i in range(workers)])
 
@@ -67,11 +66,9 @@ def test_fit_reaches_dense_accuracy_with_identical_weights_on_both_workers(two_w
 def test_mirrored_strategy_on_two_logical_cpus_trains_as_two_workers(two_workers_topk, tmp_path):
     out = tmp_path / "mirrored"
     out.mkdir()
-    env = {**os.environ, **worker_env()}
-    env.pop("TF_CONFIG", None)
-    completed = subprocess.run([sys.executable, str(WORKERS_DIR / SCRIPT), "--out", str(out), "--density", "0.01",
+    completed = subprocess.run([*PYTHON, str(WORKERS_DIR / SCRIPT), "--out", str(out), "--density", "0.01",
                                 "--density-warmup-steps", "20", "--epochs", str(EPOCHS), "--logical-cpus", "2"],
-                               env=env, capture_output=True, text=True, timeout=120)
+                               env=subprocess_env(**KERAS_2), capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stderr[-3000:]
     mirrored, workers = load_json(out / "worker0.json"), two_workers_topk[0][0]
     assert mirrored["replicas"] == 2
@@ -88,8 +85,8 @@ def test_checkpoint_restored_in_new_processes_keeps_residuals_and_velocities(tmp
     common = ("--momentum", "0.9", "--momentum-correction", "--learning-rate", "0.05", "--epochs", "2",
               "--checkpoint", ckpt, "--out", out)
     out.mkdir()
-    assert_ok(run_script(SCRIPT, "--phase", "save", *common))
-    assert_ok(run_script(SCRIPT, "--phase", "resume", *common))
+    assert_ok(run_script(SCRIPT, "--phase", "save", *common, env=KERAS_2))
+    assert_ok(run_script(SCRIPT, "--phase", "resume", *common, env=KERAS_2))
     saved = [np.load(out / f"save_worker{i}.npz") for i in range(2)]
     restored = [np.load(out / f"resume_worker{i}.npz") for i in range(2)]
     for name in ("residual", "velocity"):
@@ -114,9 +111,9 @@ def test_worker_killed_mid_training_resumes_from_the_shared_backup(tmp_path):
     out, backup = tmp_path / "out", tmp_path / "backup"
     out.mkdir()
     launcher = subprocess.Popen(
-        [*LAUNCH_CLI, "--workers", "2", "--restarts", "1", "--timeout", "110", str(WORKERS_DIR / SCRIPT),
+        [*LAUNCH_CLI, "--workers", "2", "--restarts", "1", "--timeout", "110", str(FORKSERVER), str(WORKERS_DIR / SCRIPT),
          "--epochs", "6", "--backup-dir", str(backup), "--pause-at", "2:4", "--out", str(out)],
-        cwd=REPO_ROOT, env={**os.environ, **worker_env()}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=REPO_ROOT, env={**os.environ, **worker_env(**KERAS_2)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True)
     try:
         kill_when_written(launcher, out / "paused")

@@ -9,12 +9,11 @@ that tests compare are trained by one cluster per size (`two_workers`,
 import json
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from multiworker import REPO_ROOT, WORKERS_DIR, assert_ok, run_script, run_workers, worker_env
+from multiworker import PYTHON, REPO_ROOT, WORKERS_DIR, assert_ok, run_script, run_workers, worker_env
 from tensorflow_warnings import tensorflow_warnings
 
 pytestmark = pytest.mark.slow
@@ -40,7 +39,7 @@ TWO_WORKER_RUNS = {
 def fit_matrix(workers, out, runs):
     """Train every run of `runs` in one cluster of `workers` processes; name -> (reports, weights), and
     "outputs" -> each worker's output."""
-    argv = [sys.executable, str(WORKERS_DIR / "fit_matrix.py"), str(out),
+    argv = [*PYTHON, str(WORKERS_DIR / "fit_matrix.py"), str(out),
             *(f"{name}=--epochs {EPOCHS} {options}" for name, options in runs.items())]
     result = run_workers(workers, argv, env=worker_env(), timeout=900)
     assert_ok(result)
@@ -145,7 +144,7 @@ def test_two_logical_cpus_in_one_process_match_two_workers(two_workers, tmp_path
     out = tmp_path / "mirrored"
     env = worker_env()
     env.pop("TF_CONFIG", None)
-    completed = subprocess.run([sys.executable, DIGITS_FIT, "--epochs", EPOCHS, "--verbose", "0", "--out", str(out),
+    completed = subprocess.run([*PYTHON, DIGITS_FIT, "--epochs", EPOCHS, "--verbose", "0", "--out", str(out),
                                 "--density", "0.01", "--logical-cpus", "2"],
                                env=env, capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stderr[-3000:]

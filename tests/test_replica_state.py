@@ -23,14 +23,13 @@ import concurrent.futures
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from multiworker import (REPO_ROOT, WORKERS_DIR, assert_ok, kill_recorded_workers, load_json, load_weights, run_script,
+from multiworker import (PYTHON, REPO_ROOT, WORKERS_DIR, assert_ok, kill_recorded_workers, load_json, load_weights, run_script,
                          worker_env)
 
 keras = pytest.importorskip("keras")
@@ -113,7 +112,7 @@ def test_a_saved_value_of_another_shape_is_refused():
 def test_several_replicas_in_one_process(tmp_path):
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "replica_state_local.py"), str(tmp_path)], env=env,
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "replica_state_local.py"), str(tmp_path)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-5000:]
     shapes = load_json(tmp_path / "report.json")["checkpoint_shapes"]
@@ -180,7 +179,7 @@ def test_a_checkpoint_of_two_workers_restored_by_one_process_keeps_the_total(uni
     single.mkdir()
     env = {**os.environ, **worker_env()}
     env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, str(WORKERS_DIR / "checkpoint_loop.py"), "--ckpt", str(ckpt), "--out",
+    proc = subprocess.run([*PYTHON, str(WORKERS_DIR / "checkpoint_loop.py"), "--ckpt", str(ckpt), "--out",
                            str(single), "--restore-only"], env=env, capture_output=True, text=True, timeout=110,
                           cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-5000:]

@@ -21,7 +21,7 @@ from tf_topk.config import ExchangeConfig
 from tf_topk.selector import RandomKSelector
 from tf_topk.tf_keras import CompressionStats, TopKOptimizer, restore_optimizer_variables
 
-from multiworker import REPO_ROOT, WORKERS_DIR, worker_env
+from multiworker import KERAS_2, PYTHON, REPO_ROOT, WORKERS_DIR, worker_env
 
 X, Y = load_digits(return_X_y=True)
 X, Y = (X[:512] / 16.0).astype("float32"), Y[:512].astype("int32")
@@ -46,8 +46,9 @@ def assert_same(arrays, others, **tolerance):
 
 
 def run_python(code, **env):
-    """Run `code` in a new Python process (this checkout importable); returns its stdout."""
-    completed = subprocess.run([sys.executable, "-c", code], env={**os.environ, **worker_env(**env)}, cwd=REPO_ROOT,
+    """Run `code` in a new Python process (this checkout importable; the interpreter itself, not a fork:
+    what its imports load is tested); returns its stdout."""
+    completed = subprocess.run([sys.executable, "-c", code], env={**os.environ, **worker_env(), **env}, cwd=REPO_ROOT,
                                capture_output=True, text=True, timeout=180)
     assert completed.returncode == 0, completed.stderr[-4000:]
     return completed.stdout
@@ -58,8 +59,8 @@ def test_the_default_measures_when_built_before_fit_and_says_so_when_fit_builds_
     """No density: the autopilot. tf_keras's fit builds the optimizer in its first traced step, where
     nothing can be timed: the plan assumes a link and its line says to build first; built under the
     strategy's scope before fit, it measures the two replicas. Both train."""
-    completed = subprocess.run([sys.executable, str(WORKERS_DIR / "tf_keras_default_fit.py")],
-                               env={**os.environ, **worker_env(), "TF_TOPK_VERBOSE": "1"}, cwd=REPO_ROOT,
+    completed = subprocess.run([*PYTHON, str(WORKERS_DIR / "tf_keras_default_fit.py")],
+                               env={**os.environ, **worker_env(**KERAS_2), "TF_TOPK_VERBOSE": "1"}, cwd=REPO_ROOT,
                                capture_output=True, text=True, timeout=180)
     assert completed.returncode == 0, completed.stderr[-4000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
@@ -258,7 +259,7 @@ print(json.dumps({{"imported": imported, "type": type(optimizer).__module__ + ".
                   "density": optimizer.density, "iterations": iterations,
                   "iterations_after": int(optimizer.iterations.numpy())}}))
 """
-    report = json.loads(run_python(code, TF_USE_LEGACY_KERAS="1").strip().splitlines()[-1])
+    report = json.loads(run_python(code, **KERAS_2).strip().splitlines()[-1])
     assert report["imported"] == []  # import tf_topk imports neither Keras nor TensorFlow
     assert report["type"] == "tf_topk.tf_keras.optimizer.TopKOptimizer"
     assert report["density"] == [[0, 0.1], [4, 0.01]] and report["iterations"] == 8

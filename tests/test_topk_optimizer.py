@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from digits_models import digits, mlp
+from multiworker import PYTHON, subprocess_env
 
 import tf_topk
 from tf_topk.config import ExchangeConfig
@@ -380,9 +381,7 @@ def test_inner_optimizer_is_left_as_given_and_all_reduces_when_reused(tmp_path):
     (the inner all-reduce is off while it applies), and the same SGD
     instance, used alone afterwards, all-reduces again (same update as a
     fresh SGD, not half of it)."""
-    import os
     import subprocess
-    import sys
     import textwrap
 
     code = textwrap.dedent("""
@@ -420,10 +419,8 @@ def test_inner_optimizer_is_left_as_given_and_all_reduces_when_reused(tmp_path):
         print("restored", "_all_reduce_sum_gradients" not in vars(inner))
         print("reused", update_ratio(inner))
     """)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, "-c", code], cwd=str(tmp_path), env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = dict(line.split(" ", 1) for line in proc.stdout.splitlines()
@@ -480,9 +477,7 @@ def test_sparse_updates_of_embeddings_sharing_a_bucket_on_two_replicas(exchange_
     must point inside their own table (they once came back as -offset and
     fit failed). Replicas stay identical, and the weights match the
     dense-update run's."""
-    import os
     import subprocess
-    import sys
     import textwrap
 
     code = textwrap.dedent("""
@@ -520,10 +515,8 @@ def test_sparse_updates_of_embeddings_sharing_a_bucket_on_two_replicas(exchange_
         assert not np.allclose(sparse[0][0].numpy(), untrained.embeddings.numpy())  # it trained
         print("ok")
     """)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env.pop("TF_CONFIG", None)
-    proc = subprocess.run([sys.executable, "-c", code, exchange_mode], cwd=str(tmp_path), env=env,
+    env = subprocess_env()
+    proc = subprocess.run([*PYTHON, "-c", code, exchange_mode], cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().endswith("ok")
