@@ -219,6 +219,10 @@ class SparseExchange(tf.Module):
         replica's copy; every replica holds the same). None otherwise."""
         return self.step_density.current
 
+    # Written with tf.cond where a branch depends on a tensor, so AutoGraph has nothing to convert here; its
+    # conversion of the exchange's code cost 4.7 s at the first traced step and 0.4-1 s at each later trace
+    # (benchmarks/RESULTS.md, "The first traced step").
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, grads, step=None):
         """Exchange `grads` (one per variable, None allowed) in a replica context.
 

@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "overhead": ("tf_topk.bench.overhead", "what the exchange costs beyond the selection (fused op, collectives)"),
     "advise": ("tf_topk.bench.advise", "predicted step time of every route and density, and the autopilot's choice"),
     "gather": ("tf_topk.bench.gather", "the all_gather route's one collective against TensorFlow's all_gather"),
+    "trace": ("tf_topk.bench.trace", "a custom loop's first traced steps, the exchange converted by AutoGraph or not"),
 }
 
 
