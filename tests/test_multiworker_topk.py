@@ -19,15 +19,17 @@ from tensorflow_warnings import tensorflow_warnings
 pytestmark = pytest.mark.slow
 
 DIGITS_FIT = str(REPO_ROOT / "examples" / "digits_fit.py")
-EPOCHS = "10"
+EPOCHS = "5"  # 225 steps
 # The two-worker runs, trained one after the other by the same two worker processes (one TensorFlow
-# start-up and one cluster for all): name -> examples/digits_fit.py's options.
+# start-up and one cluster for all): name -> examples/digits_fit.py's options. A fixed density warms up
+# for 100 steps (a quarter of the default's 400, which tests/test_density_warmup.py pins).
 SGD_MOMENTUM = "--momentum 0.9 --learning-rate 0.05"
+TOPK = "--density 0.01 --density-warmup-steps 100"
 TWO_WORKER_RUNS = {
     "dense": "--dense",
-    "topk": "--density 0.01",
+    "topk": TOPK,
     "autopilot": "--autopilot",
-    "sparse": f"--density 0.01 --momentum-correction --sparse-updates {SGD_MOMENTUM}",
+    "sparse": f"{TOPK} --momentum-correction --sparse-updates {SGD_MOMENTUM}",
     "adaptive": "--adaptive",
     "dense_momentum": f"--dense {SGD_MOMENTUM}",
     "mc": f"--density 0.001 --momentum-correction --warmup-epochs 2 {SGD_MOMENTUM}",
@@ -58,7 +60,7 @@ def two_workers(tmp_path_factory):
 def three_workers(tmp_path_factory):
     """Top-k alone: its dense reference is the two workers' (the same global batch, loss and learning
     rate, so the same dense gradient up to the order of its additions)."""
-    return fit_matrix(3, tmp_path_factory.mktemp("three_workers"), {"topk": "--density 0.01"})
+    return fit_matrix(3, tmp_path_factory.mktemp("three_workers"), {"topk": TOPK})
 
 
 def assert_identical(archives):
@@ -135,7 +137,7 @@ def test_the_chief_alone_says_what_the_autopilot_decided(two_workers):
 def test_the_chief_alone_announces_the_warmup(two_workers):
     """The runs at a fixed density of 0.01 warm up; the line that says so comes from worker 0 only."""
     chief, other = two_workers["outputs"]
-    assert "tf_topk: density 0.01 after a 400-step warm-up" in chief
+    assert "tf_topk: density 0.01 after a 100-step warm-up" in chief
     assert "warm-up" not in other
 
 
@@ -145,7 +147,7 @@ def test_two_logical_cpus_in_one_process_match_two_workers(two_workers, tmp_path
     env = worker_env()
     env.pop("TF_CONFIG", None)
     completed = subprocess.run([*PYTHON, DIGITS_FIT, "--epochs", EPOCHS, "--verbose", "0", "--out", str(out),
-                                "--density", "0.01", "--logical-cpus", "2"],
+                                *TOPK.split(), "--logical-cpus", "2"],
                                env=env, capture_output=True, text=True, timeout=240)
     assert completed.returncode == 0, completed.stderr[-3000:]
     mirrored = json.loads((out / "worker0.json").read_text())
