@@ -15,23 +15,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from digits_models import digits, mlp
+from digits_models import mlp, train
 from multiworker import PYTHON, REPO_ROOT, WORKERS_DIR, worker_env
+from test_keras_optimizer_matrix import INNER_OPTIMIZERS, OPTIONS_ONE_AT_A_TIME
 
 import tf_topk
 
 
-def train(optimizer, model=None, epochs=2, n=320):
-    x, y = digits(n)
-    model = model or mlp()
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  jit_compile=False)
-    model.fit(x, y, batch_size=32, epochs=epochs, verbose=0, shuffle=False)
-    return model
-
-
-# Options of one optimizer that the matrix below (test_each_option_of_each_optimizer_acts_as_without_the_wrapper,
-# every optimizer with each of clipping, weight decay, EMA and accumulation) does not turn on.
+# Options of one optimizer that tests/test_keras_optimizer_matrix.py (every optimizer with each of clipping,
+# weight decay, EMA and accumulation) does not turn on.
 INNER_OPTIONS = {
     "amsgrad": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
     "learning rate schedule": lambda: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.01, 5, 0.5)),
@@ -42,7 +34,8 @@ INNER_OPTIONS = {
 @pytest.mark.parametrize("option", INNER_OPTIONS)
 def test_every_inner_option_acts_as_it_does_without_the_wrapper(option):
     """Adam's own options (clipping with AdamW, where `|TopK(AdamW(clipnorm=1)) - AdamW(clipnorm=1)|` was
-    3.5e-2, and accumulation, which moved the variable on every micro-batch, are cells of the matrix below)."""
+    3.5e-2, and accumulation, which moved the variable on every micro-batch, are cells of the matrix in
+    tests/test_keras_optimizer_matrix.py)."""
     make = INNER_OPTIONS[option]
     alone = train(make())
     wrapped = train(tf_topk.TopKOptimizer(make(), density=1.0))
@@ -210,63 +203,6 @@ def test_a_mixed_precision_fit_takes_keras_steps():
         np.testing.assert_allclose(moves[1], moves[0], rtol=1e-2)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-
-
-INNER_OPTIMIZERS = {
-    "SGD": lambda: keras.optimizers.SGD(0.05),
-    "SGD momentum": lambda: keras.optimizers.SGD(0.05, momentum=0.9),
-    "SGD Nesterov": lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True),
-    "Adam": lambda: keras.optimizers.Adam(0.003),
-    "AdamW": lambda: keras.optimizers.AdamW(0.003, weight_decay=0.01),
-    "RMSprop": lambda: keras.optimizers.RMSprop(0.001),
-    "Adagrad": lambda: keras.optimizers.Adagrad(0.05),
-    "Adamax": lambda: keras.optimizers.Adamax(0.003),
-    "Nadam": lambda: keras.optimizers.Nadam(0.003),
-    "Lion": lambda: keras.optimizers.Lion(0.0003),
-    # Keras's default epsilon_1 (1e-30) makes 0/0 where a kernel row and column both get no gradient (a
-    # blank pixel and a dead ReLU unit of the digits MLP: their second-moment estimate, 1e-30 * 1e-30 over
-    # a mean, underflows to 0), and the NaN weights that follow make the wrapper skip every later step.
-    "Adafactor": lambda: keras.optimizers.Adafactor(0.01, epsilon_1=1e-15),
-    "Ftrl": lambda: keras.optimizers.Ftrl(0.05),
-}
-
-
-# Each inner option, one at a time (with every optimizer of INNER_OPTIMIZERS).
-OPTIONS_ONE_AT_A_TIME = {
-    "clipnorm": dict(clipnorm=0.1), "clipvalue": dict(clipvalue=0.01), "global_clipnorm": dict(global_clipnorm=0.1),
-    "weight_decay": dict(weight_decay=0.05), "use_ema": dict(use_ema=True, ema_overwrite_frequency=3),
-    "gradient_accumulation_steps": dict(gradient_accumulation_steps=2),
-}
-
-
-def with_option(name, option):
-    """INNER_OPTIMIZERS[name] made with the option `option` of OPTIONS_ONE_AT_A_TIME added."""
-    optimizer = INNER_OPTIMIZERS[name]()
-    config = {**optimizer.get_config(), **OPTIONS_ONE_AT_A_TIME[option]}
-    return type(optimizer).from_config(config)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("option", OPTIONS_ONE_AT_A_TIME)
-@pytest.mark.parametrize("name", INNER_OPTIMIZERS)
-def test_each_option_of_each_optimizer_acts_as_without_the_wrapper(name, option):
-    """20 steps, density 1.0, one option turned on: the same weights as the inner optimizer alone."""
-    alone = train(with_option(name, option))
-    wrapped = train(tf_topk.TopKOptimizer(with_option(name, option), density=1.0))
-    for a, b in zip(alone.get_weights(), wrapped.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", INNER_OPTIMIZERS)
-def test_density_one_is_the_inner_optimizer(name):
-    """160 steps of the digits MLP (its 64x128 kernel on the top-k path, the rest below min_size):
-    the wrapper at density 1.0, with its defaults otherwise, trains as the inner optimizer alone."""
-    make = INNER_OPTIMIZERS[name]
-    alone = train(make(), epochs=10, n=512)
-    wrapped = train(tf_topk.TopKOptimizer(make(), density=1.0), epochs=10, n=512)
-    for a, b in zip(alone.get_weights(), wrapped.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """Density 1.0 is the inner optimizer with two replicas: `inner_optimizers_replicas.py SPEC...`, each
-SPEC a name of tests/test_keras_contract.py's INNER_OPTIMIZERS, or NAME+OPTION with an option of its
+SPEC a name of tests/test_keras_optimizer_matrix.py's INNER_OPTIMIZERS, or NAME+OPTION with an option of its
 OPTIONS_ONE_AT_A_TIME turned on. For each, the digits MLP is trained 48
 steps with model.fit under MirroredStrategy over 2 logical CPUs, by the optimizer alone and wrapped
 in TopKOptimizer(density=1.0). Prints one JSON line: spec -> the largest weight difference (a NaN in
@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 
 import tf_topk  # noqa: E402
 from digits_models import digits, mlp  # noqa: E402
-from test_keras_contract import INNER_OPTIMIZERS, with_option  # noqa: E402
+from test_keras_optimizer_matrix import INNER_OPTIMIZERS, with_option  # noqa: E402
 
 strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 x, y = digits(512)
