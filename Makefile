@@ -37,10 +37,11 @@ setup: $(INSTALLED) $(LIBRARY)
 
 build: setup
 
-# Two pytest processes (each test file whole in one), then the `timing` tests alone (tests/conftest.py);
-# exit status 5 is "no test selected", where PYTEST_ARGS selects none of one part. `make test` and
-# `make coverage` run the same two parts (pytest's arguments after `-m pytest`).
-PARALLEL := -n 2 --dist loadfile
+# Three pytest processes (each test file whole in one; on 2 cores three beat two and four, docs/testing.md),
+# then the `timing` tests alone (tests/conftest.py); exit status 5 is "no test selected", where
+# PYTEST_ARGS selects none of one part. `make test` and `make coverage` run the same two parts
+# (pytest's arguments after `-m pytest`).
+PARALLEL := -n 3 --dist loadfile
 UNTIMED_PART := -q $(PARALLEL) -m "not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 TIMING_PART := -q -m timing $(PYTEST_ARGS) || [ $$? -eq 5 ]
 

@@ -1,6 +1,6 @@
 """Test configuration: quiet TensorFlow logs, the repository on sys.path, the `slow` and `timing` markers.
 
-`make test` runs every test not marked `timing` in two processes (pytest-xdist, each test file whole in
+`make test` runs every test not marked `timing` in three processes (pytest-xdist, each test file whole in
 one of them), then the `timing` tests alone; `make test-fast` runs what is marked neither `slow` nor
 `timing` (docs/testing.md).
 """
@@ -24,6 +24,6 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Modules with the most `slow` tests first, each module's tests in their order: under `make test`'s
-    two processes the longest files then start first instead of last."""
+    three processes the longest files then start first instead of last."""
     slow = collections.Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
     items.sort(key=lambda item: -slow[item.module.__name__])
