@@ -1,8 +1,10 @@
-"""The convergence benchmark's language-model task: the corpus, its windows, the transformer, a tiny run."""
+"""The convergence benchmark's language-model tasks (`text`, Python source; `prose`, English docstrings): the
+corpora, their windows, the transformer, a tiny run of each."""
 
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -25,13 +27,78 @@ def test_corpus_files_sorted_by_relative_path_without_tests_third_party_generate
 
 def test_corpus_is_the_same_python_source_every_time():
     corpus = text.load_corpus()
-    again = text.load_corpus.__wrapped__()  # read the files again, past the cache
+    again = text._read_corpus.__wrapped__("text", text.CORPUS_BYTES)[0]  # read the files again, past the cache
     assert corpus is not again and np.array_equal(corpus, again)
     assert corpus.dtype == np.uint8 and len(corpus) == text.CORPUS_BYTES  # the standard library has more
     source = corpus.tobytes()
     assert source.count(b"\ndef ") > 1000 and source.count(b"import ") > 500
     assert np.mean(corpus < 128) > 0.99  # code, not tables of bytes
     assert text.describe_corpus()["sha256"] == hashlib.sha256(again.tobytes()).hexdigest()
+
+
+def test_docstring_prose_keeps_the_words_and_drops_doctests_and_code_blocks():
+    source = b'''"""Module words."""
+
+def f(x):
+    """Add one to x.
+
+    >>> f(1)
+    2
+    >>> f(
+    ...     2)
+    3
+
+    Also for arrays:
+
+    ```python
+    f(np.ones(3))
+    ```
+    Returns x plus one.
+    """
+
+class C:
+    """A class."""
+    def g(self):
+        pass
+'''
+    # Module, then its functions and classes, then theirs (ast.walk's order).
+    assert text.docstring_prose(source) == \
+        "Module words.\n\nAdd one to x.\n\nAlso for arrays:\n\nReturns x plus one.\n\nA class."
+    assert text.docstring_prose(b"def broken(:\n") == ""  # a file Python cannot parse gives nothing, not an error
+
+
+def test_package_sources_leave_out_tests_and_vendored_code():
+    found = text.package_sources("sklearn")
+    import sklearn
+
+    relative = [Path(p).relative_to(Path(sklearn.__file__).parent).as_posix() for p in found]
+    assert relative == sorted(relative) and "__init__.py" in relative and len(found) > 100
+    parts = [set(Path(p).parts) for p in found]
+    assert not any(part & {"tests", "externals", "__pycache__"} for part in parts)
+    assert not any(Path(p).name.startswith("test_") for p in found)
+    assert any(p.endswith(os.path.join("linear_model", "_logistic.py")) for p in found)
+    with pytest.raises(RuntimeError, match="not_a_package_here, which is not installed"):
+        text.package_sources("not_a_package_here")
+
+
+def test_prose_corpus_is_english_from_the_docstrings_and_unlike_the_python_corpus():
+    prose = text.load_corpus("prose")
+    assert prose.dtype == np.uint8 and len(prose) == text.CORPUS_BYTES
+    assert not prose.flags.writeable
+    data = prose.tobytes()
+    assert b">>>" not in data and b"```" not in data
+    assert data.count(b" the ") > 10_000 and data.count(b"\ndef ") < 50
+    letters = sum(data.count(bytes([c])) for c in range(ord("a"), ord("z") + 1))
+    assert letters / len(data) > 0.55  # words, where source code is about half letters
+    assert np.mean(prose < 128) > 0.99
+    python = text.load_corpus("text").tobytes()
+    assert python.count(b"\ndef ") > 1000 and data[:4096] != python[:4096]
+    described = text.describe_corpus("prose")
+    assert described["sha256"] == hashlib.sha256(data).hexdigest()
+    assert set(described["packages"]) <= {"numpy", "scikit-learn", "keras"} and "numpy" in described["packages"]
+    assert described["bytes"] == text.CORPUS_BYTES
+    with pytest.raises(ValueError, match="corpus must be one of .*got 'poetry'"):
+        text.load_corpus("poetry")
 
 
 def test_windows_are_the_corpus_bytes_and_targets_the_next_byte():
@@ -66,12 +133,15 @@ def test_validation_windows_lie_in_the_held_out_tail_and_training_windows_before
     np.testing.assert_array_equal(other[2], x_val)
 
 
-def test_the_data_loader_serves_the_text_task():
+@pytest.mark.parametrize("dataset", text.LANGUAGE_DATASETS)
+def test_the_data_loader_serves_each_language_task(dataset):
     from tf_topk.bench.data import DATASETS, load_data
 
-    assert "text" in DATASETS
-    for got, want in zip(load_data("text"), text.load_text()):
+    assert dataset in DATASETS
+    for got, want in zip(load_data(dataset, seed=2), text.load_text(seed=2, corpus=dataset)):
         np.testing.assert_array_equal(got, want)
+    corpus = text.load_corpus(dataset)
+    np.testing.assert_array_equal(load_data(dataset)[2], text.windows(corpus, text.validation_starts(corpus))[0])
 
 
 def test_transformer_is_causal():
@@ -102,7 +172,7 @@ def test_evaluation_interval_divides_the_steps_into_about_16_evaluations():
     (("--methods", "topk_mc", "--optimizer", "sgd", "--momentum", "0"), "topk_mc .* needs --momentum > 0"),
     (("--epochs", "3"), "--dataset text trains for --steps, not --epochs"),
     (("--steps", "100", "--eval-every", "30"), r"--eval-every must be >= 1 and divide --steps \(100\), got 30"),
-    (("--model", "mlp"), "--model transformer goes with --dataset text and only with it"),
+    (("--model", "mlp"), "--model transformer goes with --dataset text or prose and only with them"),
     (("--adaptive",), "--adaptive .* not with --dataset text"),
 ])
 def test_bad_text_arguments_are_refused_before_training(capsys, args, message):
@@ -125,18 +195,19 @@ def test_steps_are_only_for_the_text_task(capsys):
 
 
 @pytest.mark.slow
-def test_tiny_text_run_reports_validation_loss_per_byte(capsys):
+@pytest.mark.parametrize("dataset", text.LANGUAGE_DATASETS)
+def test_tiny_text_run_reports_validation_loss_per_byte(capsys, dataset):
     from tf_topk.bench import convergence
 
     steps, every = 30, 10
-    assert convergence.main(["--dataset", "text", "--model", "transformer", "--optimizer", "adamw",
+    assert convergence.main(["--dataset", dataset, "--model", "transformer", "--optimizer", "adamw",
                              "--steps", str(steps), "--eval-every", str(every), "--densities", "0.01",
                              "--methods", "topk_ef", "--seeds", "1", "--density-warmup-steps", "0", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert (result["dataset"], result["steps"], result["eval_every"]) == ("text", steps, every)
+    assert (result["dataset"], result["steps"], result["eval_every"]) == (dataset, steps, every)
     assert result["optimizer"] == "AdamW(learning_rate=0.001, weight_decay=0.01)"
     assert result["model"] == "transformer 2x128, context 64"
-    assert result["corpus"] == text.describe_corpus()
+    assert result["corpus"] == text.describe_corpus(dataset)
     assert result["test_samples"] == text.VAL_WINDOWS
     dense, topk = result["configs"]
     assert (dense["method"], topk["method"], topk["density"]) == ("dense", "topk_ef", 0.01)

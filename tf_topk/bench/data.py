@@ -3,15 +3,16 @@
 digits (scikit-learn, ships with it), synthetic (scikit-learn's
 make_classification: 2500 samples, 64 features, 10 classes) and shapes
 (generated here: 16x16 images of 10 glyphs, see `make_shapes`), signals
-(generated here: 1-D waveforms of 10 kinds, see `make_signals`) and text
-(next-byte prediction on the Python standard library's source, see
-`tf_topk.bench.text`) work offline; mnist and cifar10 download through
+(generated here: 1-D waveforms of 10 kinds, see `make_signals`), text
+(next-byte prediction on the Python standard library's source) and prose (on
+the English docstrings of numpy and scikit-learn; both `tf_topk.bench.text`)
+work offline; mnist and cifar10 download through
 keras.datasets and fail with a message that says so.
 """
 
 import sys
 
-DATASETS = ("digits", "synthetic", "shapes", "signals", "text", "mnist", "cifar10")
+DATASETS = ("digits", "synthetic", "shapes", "signals", "text", "prose", "mnist", "cifar10")
 
 # The shapes task's glyphs, one per class, drawn at scale 1 or 2.
 GLYPHS = (
@@ -124,14 +125,15 @@ def load_data(name, seed=0):
     `seed`); mnist and cifar10 their published split, features scaled to [0, 1].
     shapes are 16x16 images, flattened (reshape to (16, 16, 1) for a CNN);
     signals are sequences of 64 (reshape to (64, 1) for a 1-D CNN).
-    text gives int32 byte windows [n, 64] and their next-byte targets [n, 64]:
-    training windows drawn at random (`seed`) before the held-out tail, the
-    test set fixed windows in it (`tf_topk.bench.text.load_text`).
+    text (Python source) and prose (English docstrings) give int32 byte windows
+    [n, 64] and their next-byte targets [n, 64]: training windows drawn at random
+    (`seed`) before the held-out tail, the test set fixed windows in it
+    (`tf_topk.bench.text.load_text`).
     """
-    if name == "text":
+    if name in ("text", "prose"):
         from tf_topk.bench.text import load_text
 
-        return load_text(seed)
+        return load_text(seed, corpus=name)
     import numpy as np
 
     if name in ("digits", "synthetic", "shapes", "signals"):

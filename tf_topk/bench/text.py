@@ -1,23 +1,35 @@
-"""The convergence benchmark's language-model task: next-byte prediction on Python source.
+"""The convergence benchmark's language-model tasks: next-byte prediction on two corpora of other kinds.
 
-The corpus is the standard library's own `.py` files, which ship with every
-Python, so the task works offline and needs no download: the files under
+`text` (the development task, on which methods are chosen) is Python source:
+the standard library's own `.py` files, which ship with every Python, so the
+task works offline and needs no download: the files under
 `sysconfig.get_paths()["stdlib"]` in sorted order of their relative paths,
 concatenated and cut at `CORPUS_BYTES`. Left out, so that the corpus is the
 same bytes for a given Python version wherever it is installed, and is code
 rather than tables: third-party packages (site-packages, dist-packages), the
 test suites and the packages some distributions ship separately (`SPLIT_OFF`),
 generated files (the codec tables in `encodings`, `pydoc_data`) and the files
-written by the build (`_sysconfigdata_*`, `config-*`). The last `HELD_OUT`
-of the corpus is held out for validation. `describe_corpus` gives its hash.
+written by the build (`_sysconfigdata_*`, `config-*`).
 
-A sample is `CONTEXT` bytes (token ids 0..255) and its target the same
-window shifted by one byte, so the loss is the cross-entropy of each next
-byte in nats (ln 256 = 5.545 for a uniform guess).
+`prose` (a task kept to confirm what was chosen on `text`, never to tune on)
+is English prose: the docstrings of the installed numpy, scikit-learn and
+Keras (`PROSE_PACKAGES`, the project's own requirements), read from their
+sources with `ast` (nothing is imported), package by package and file by file
+in sorted order, without their test suites, examples run as doctests
+(`>>>` lines and the output under them) or fenced code blocks.
+
+Of either corpus the last `HELD_OUT` is held out for validation;
+`describe_corpus` gives its hash and where it came from. A sample is
+`CONTEXT` bytes (token ids 0..255) and its target the same window shifted by
+one byte, so the loss is the cross-entropy of each next byte in nats (ln 256 =
+5.545 for a uniform guess).
 """
 
+import ast
 import functools
 import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import platform
 import sysconfig
@@ -33,6 +45,11 @@ VAL_WINDOWS = 256
 SPLIT_OFF = ("test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo", "lib2to3", "distutils", "ensurepip")
 SKIPPED = frozenset(("site-packages", "dist-packages", "__pycache__", "encodings", "pydoc_data") + SPLIT_OFF)
 BUILD_PREFIXES = ("_sysconfigdata", "config-")
+# The corpora, by the name `--dataset` gives them: `text` to develop on, `prose` to confirm on.
+LANGUAGE_DATASETS = ("text", "prose")
+# (import name, distribution name) of the packages whose docstrings make `prose`.
+PROSE_PACKAGES = (("numpy", "numpy"), ("sklearn", "scikit-learn"), ("keras", "keras"))
+PROSE_SKIPPED = frozenset(("tests", "test", "testing", "__pycache__", "_vendor", "externals", "_build_utils"))
 
 
 def _kept(name):
@@ -50,19 +67,92 @@ def stdlib_sources(root=None):
     return [os.path.join(root, *path.split("/")) for path in sorted(found)]
 
 
-@functools.lru_cache(maxsize=1)
-def load_corpus(limit=CORPUS_BYTES):
-    """The first `limit` bytes of the concatenated sources, as a uint8 array (read once per process)."""
-    chunks, size = [], 0
-    for path in stdlib_sources():
-        with open(path, "rb") as f:
-            chunks.append(f.read(limit - size))
+def package_sources(package):
+    """An installed package's `.py` files but its tests and vendored code, sorted by their relative paths."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.origin:
+        raise RuntimeError(f"the prose corpus reads the docstrings of {package}, which is not installed")
+    root = os.path.dirname(spec.origin)
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if d not in PROSE_SKIPPED]
+        found += [os.path.relpath(os.path.join(folder, f), root).replace(os.sep, "/")
+                  for f in files if f.endswith(".py") and not f.startswith("test_")]
+    return [os.path.join(root, *path.split("/")) for path in sorted(found)]
+
+
+def docstring_prose(source):
+    """The docstrings of one module's source (module, classes, functions, in the order `ast.walk` meets
+    them), each without doctest examples and fenced code, one blank line between them."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    kept = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        docstring = ast.get_docstring(node)
+        if not docstring:
+            continue
+        lines, in_example, in_fence = [], False, False
+        for line in docstring.splitlines():
+            stripped = line.strip()
+            if stripped.startswith("```"):
+                in_fence = not in_fence
+                continue
+            if stripped.startswith(">>>"):
+                in_example = True
+            elif not stripped:
+                in_example = False
+            if not (in_example or in_fence or (not stripped and lines and not lines[-1])):
+                lines.append(line.rstrip())  # one blank line where an example stood between two
+        text = "\n".join(lines).strip()
+        if text:
+            kept.append(text)
+    return "\n\n".join(kept)
+
+
+def _corpus_files(corpus):
+    """The corpus's pieces in order: (path, a function reading the piece's bytes from that path)."""
+    if corpus == "text":
+        return [(path, _read_bytes) for path in stdlib_sources()]
+    if corpus == "prose":
+        return [(path, _read_prose) for package, _ in PROSE_PACKAGES for path in package_sources(package)]
+    raise ValueError(f"corpus must be one of {LANGUAGE_DATASETS}, got {corpus!r}")
+
+
+def _read_bytes(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_prose(path):
+    prose = docstring_prose(_read_bytes(path)).encode("utf-8")
+    return prose + b"\n\n" if prose else b""
+
+
+def load_corpus(corpus="text", limit=CORPUS_BYTES):
+    """The first `limit` bytes of `corpus` ("text": the standard library's sources; "prose": the docstrings
+    of `PROSE_PACKAGES`), as a read-only uint8 array, read once per process."""
+    return _read_corpus(corpus, limit)[0]
+
+
+@functools.lru_cache(maxsize=2)
+def _read_corpus(corpus, limit):
+    """(the corpus's bytes, the paths they came from)."""
+    chunks, paths, size = [], [], 0
+    for path, read in _corpus_files(corpus):
+        chunks.append(read(path)[:limit - size])
+        paths.append(path)
         size += len(chunks[-1])
         if size >= limit:
             break
-    corpus = np.frombuffer(b"".join(chunks), np.uint8)
-    corpus.flags.writeable = False
-    return corpus
+    if size < limit:
+        raise RuntimeError(f"the {corpus} corpus has {size:,} bytes, fewer than the task's {limit:,}")
+    data = np.frombuffer(b"".join(chunks), np.uint8)
+    data.flags.writeable = False
+    return data, tuple(paths)
 
 
 def split_point(corpus):
@@ -86,19 +176,28 @@ def validation_starts(corpus, count=VAL_WINDOWS):
     return np.linspace(split_point(corpus), len(corpus) - CONTEXT - 1, count).astype(np.int64)
 
 
-def load_text(seed=0):
-    """(x_train, y_train, x_val, y_val) of the text task, as `tf_topk.bench.data.load_data` returns them."""
-    corpus = load_corpus()
+def load_text(seed=0, corpus="text"):
+    """(x_train, y_train, x_val, y_val) of a language task (`LANGUAGE_DATASETS`), as
+    `tf_topk.bench.data.load_data` returns them."""
+    corpus = load_corpus(corpus)
     return (*windows(corpus, train_starts(corpus, seed=seed)), *windows(corpus, validation_starts(corpus)))
 
 
-def describe_corpus():
-    """What the corpus is, for a benchmark's record: its size and hash, and the Python it came from."""
-    corpus = load_corpus()
-    return {"source": "the Python standard library's .py files in sorted order (tf_topk.bench.text)",
-            "python": platform.python_version(), "bytes": int(len(corpus)),
-            "validation_bytes": int(len(corpus) - split_point(corpus)),
-            "sha256": hashlib.sha256(corpus.tobytes()).hexdigest()}
+def describe_corpus(corpus="text"):
+    """What the corpus is, for a benchmark's record: its size and hash, and what it came from."""
+    data = load_corpus(corpus)
+    if corpus == "text":
+        origin = {"source": "the Python standard library's .py files in sorted order (tf_topk.bench.text)",
+                  "python": platform.python_version()}
+    else:
+        paths = _read_corpus(corpus, CORPUS_BYTES)[1]
+        used = [(name, dist) for name, dist in PROSE_PACKAGES
+                if any(os.path.dirname(importlib.util.find_spec(name).origin) + os.sep in p for p in paths)]
+        origin = {"source": "the docstrings of " + ", ".join(name for name, _ in used)
+                            + " without doctests or code blocks (tf_topk.bench.text)",
+                  "packages": {dist: importlib.metadata.version(dist) for _, dist in used}}
+    return {**origin, "bytes": int(len(data)), "validation_bytes": int(len(data) - split_point(data)),
+            "sha256": hashlib.sha256(data.tobytes()).hexdigest()}
 
 
 def make_transformer(keras, layers=2, width=128, heads=4, context=CONTEXT):
