@@ -52,9 +52,10 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q $(PARALLEL) -m "not slow and not timing" $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
-# Worker processes measure themselves too (pyproject.toml's [tool.coverage.run]).
+# Worker processes measure themselves too, forked ones included (pyproject.toml's [tool.coverage.run];
+# its `patch = fork` needs coverage 7.10.4).
 coverage: setup
-	$(PY) -m pip install --quiet "coverage>=7.10"
+	$(PY) -m pip install --quiet "coverage>=7.10.4"
 	rm -f .coverage .coverage.*
 	$(PY) -m coverage run -m pytest $(UNTIMED_PART)
 	$(PY) -m coverage run -m pytest $(TIMING_PART)
