@@ -814,11 +814,11 @@ def main(argv=None):
         parser.error("--density-warmup-steps warms up a fixed density; --warmup-epochs gives a schedule instead: "
                      "pass one of them")
     if args.model is None:
-        args.model = {"shapes": "cnn", "signals": "cnn1d", "text": "transformer", "prose": "transformer"}.get(
-            args.dataset, "mlp")
+        args.model = "transformer" if args.dataset in text.LANGUAGE_DATASETS else \
+            {"shapes": "cnn", "signals": "cnn1d"}.get(args.dataset, "mlp")
     if (args.model == "transformer") != (args.dataset in text.LANGUAGE_DATASETS):
-        parser.error(f"--model transformer goes with --dataset text or prose and only with them, got --model {args.model} "
-                     f"--dataset {args.dataset}")
+        parser.error(f"--model transformer goes with --dataset text or prose and only with them, "
+                     f"got --model {args.model} --dataset {args.dataset}")
     if args.layers < 1 or args.width < 4 or args.width % 4:
         parser.error(f"--layers must be >= 1 and --width a multiple of 4, got {args.layers} and {args.width}")
     if args.optimizer is None:

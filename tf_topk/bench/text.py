@@ -114,11 +114,11 @@ def docstring_prose(source):
 
 
 def _corpus_files(corpus):
-    """The corpus's pieces in order: (path, a function reading the piece's bytes from that path)."""
+    """The corpus's pieces in order: (the package it is from, its path, a function reading its bytes)."""
     if corpus == "text":
-        return [(path, _read_bytes) for path in stdlib_sources()]
+        return [("the standard library", path, _read_bytes) for path in stdlib_sources()]
     if corpus == "prose":
-        return [(path, _read_prose) for package, _ in PROSE_PACKAGES for path in package_sources(package)]
+        return [(package, path, _read_prose) for package, _ in PROSE_PACKAGES for path in package_sources(package)]
     raise ValueError(f"corpus must be one of {LANGUAGE_DATASETS}, got {corpus!r}")
 
 
@@ -140,11 +140,11 @@ def load_corpus(corpus="text", limit=CORPUS_BYTES):
 
 @functools.lru_cache(maxsize=2)
 def _read_corpus(corpus, limit):
-    """(the corpus's bytes, the paths they came from)."""
-    chunks, paths, size = [], [], 0
-    for path, read in _corpus_files(corpus):
+    """(the corpus's bytes, the packages they came from)."""
+    chunks, packages, size = [], {}, 0
+    for package, path, read in _corpus_files(corpus):
         chunks.append(read(path)[:limit - size])
-        paths.append(path)
+        packages[package] = True
         size += len(chunks[-1])
         if size >= limit:
             break
@@ -152,7 +152,7 @@ def _read_corpus(corpus, limit):
         raise RuntimeError(f"the {corpus} corpus has {size:,} bytes, fewer than the task's {limit:,}")
     data = np.frombuffer(b"".join(chunks), np.uint8)
     data.flags.writeable = False
-    return data, tuple(paths)
+    return data, tuple(packages)
 
 
 def split_point(corpus):
@@ -190,9 +190,8 @@ def describe_corpus(corpus="text"):
         origin = {"source": "the Python standard library's .py files in sorted order (tf_topk.bench.text)",
                   "python": platform.python_version()}
     else:
-        paths = _read_corpus(corpus, CORPUS_BYTES)[1]
-        used = [(name, dist) for name, dist in PROSE_PACKAGES
-                if any(os.path.dirname(importlib.util.find_spec(name).origin) + os.sep in p for p in paths)]
+        read = _read_corpus(corpus, CORPUS_BYTES)[1]
+        used = [(name, dist) for name, dist in PROSE_PACKAGES if name in read]
         origin = {"source": "the docstrings of " + ", ".join(name for name, _ in used)
                             + " without doctests or code blocks (tf_topk.bench.text)",
                   "packages": {dist: importlib.metadata.version(dist) for _, dist in used}}
