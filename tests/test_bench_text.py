@@ -99,6 +99,8 @@ def test_prose_corpus_is_english_from_the_docstrings_and_unlike_the_python_corpu
     assert described["bytes"] == text.CORPUS_BYTES
     with pytest.raises(ValueError, match="corpus must be one of .*got 'poetry'"):
         text.load_corpus("poetry")
+    with pytest.raises(RuntimeError, match=r"the text corpus has [\d,]+ bytes, fewer than the task's 1,000,000,000"):
+        text.load_corpus("text", limit=10**9)  # a corpus that cannot fill the task is refused, not cut short
 
 
 def test_windows_are_the_corpus_bytes_and_targets_the_next_byte():
