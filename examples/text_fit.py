@@ -2,10 +2,12 @@
 
 The text task of the convergence benchmark (`tf_topk.bench.text`: next-byte
 prediction on the Python standard library's own source) in a custom training
-loop, with Adam's momentum correction (`momentum_correction=True`, the recipe
-for Adam at a fixed low density on this task): dense AdamW for `--warmup`
-steps, then the second moment frozen and each replica's momentum of the
-preconditioned gradient sent by top-k with error feedback.
+loop, with `TopKOptimizer(AdamW, density=...)` as it is by default at a fixed
+density of 0.01 or less: decoupled momentum (DeMo, `tf_topk.decoupled_momentum`),
+each replica's momentum in the space of a blockwise DCT, its top-k coefficients
+sent, the sign of their sum applied. `--momentum-correction` takes Adam's
+momentum correction instead: dense AdamW for `--warmup` steps, then the second
+moment frozen and each replica's momentum of the preconditioned gradient sent.
 
 One process (one replica, the whole batch):
     python examples/text_fit.py --steps 300 --density 0.01
@@ -32,8 +34,11 @@ import time
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    parser.add_argument("--momentum-correction", action="store_true",
+                        help="Adam's momentum correction instead of the default (decoupled momentum)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="dense AdamW steps before the second moment freezes (default: 10%% of --steps)")
+                        help="with --momentum-correction: dense AdamW steps before the second moment freezes "
+                             "(default: 10%% of --steps)")
     parser.add_argument("--density", type=float, default=0.01, help="fraction of each large variable sent per step")
     parser.add_argument("--dense", action="store_true", help="plain AdamW with the dense all-reduce")
     parser.add_argument("--batch-size", type=int, default=32, help="global batch (split over the workers)")
@@ -49,6 +54,8 @@ def parse_args(argv=None):
         parser.error(f"--logical-cpus must be >= 0, got {args.logical_cpus}")
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
+    if args.warmup is not None and not args.momentum_correction:
+        parser.error("--warmup is the dense warm-up of --momentum-correction")
     args.warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
     if args.warmup < 1:
         parser.error(f"--warmup must be >= 1, got {args.warmup}")
@@ -84,9 +91,11 @@ def main(argv=None):
         inner = keras.optimizers.AdamW(1e-3, weight_decay=0.01)
         if args.dense:
             optimizer = inner
-        else:
+        elif args.momentum_correction:
             optimizer = tf_topk.TopKOptimizer(inner, density=args.density, momentum_correction=True,
                                               variance_warmup_steps=args.warmup)
+        else:  # the default: decoupled momentum at a fixed density of 0.01 or less
+            optimizer = tf_topk.TopKOptimizer(inner, density=args.density)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
 
     @tf.function
@@ -115,7 +124,10 @@ def main(argv=None):
     val_loss = float(tf.reduce_mean(loss_fn(y_val, model.predict(x_val, batch_size=256, verbose=0))))
     digest = hashlib.sha256(b"".join(np.ascontiguousarray(w).tobytes() for w in model.get_weights())).hexdigest()
     print("RESULT " + json.dumps({"worker": worker, "replicas": replicas, "steps": int(optimizer.iterations.numpy()),
-                                  "density": None if args.dense else args.density, "warmup": args.warmup,
+                                  "density": None if args.dense else args.density,
+                                  "method": "dense" if args.dense else "momentum_correction"
+                                  if args.momentum_correction else
+                                  "decoupled_momentum" if optimizer.decoupled_momentum else "topk",
                                   "val_loss": round(val_loss, 4), "weights_sha256": digest,
                                   "seconds": round(time.monotonic() - started, 1)}), flush=True)
 

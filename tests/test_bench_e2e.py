@@ -339,6 +339,29 @@ def test_tiny_run_reports_fewer_bytes_for_topk_and_leaves_nothing():
 
 
 @pytest.mark.slow
+def test_the_transformer_with_adamw_runs_decoupled_momentum_at_a_low_density():
+    """The language model's step under AdamW, dense against the default at 0.01 (decoupled momentum),
+    for the time-to-loss comparison of benchmarks/RESULTS.md."""
+    run_id = _run_id()
+    argv = BENCH + ["--workers", "2", "--model", "transformer", "--optimizer", "adamw", "--steps", "2", "--warmup",
+                    "1", "--batch-size", "4", "--densities", "0.01", "--json", "--run-id", run_id,
+                    "--timeout", "150"] + MODE_ARGS
+    proc = subprocess.run(argv, cwd=REPO_ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, timeout=240)
+    try:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        result = json.loads(proc.stdout)
+        assert (result["model"], result["optimizer"]) == ("transformer", "adamw")
+        dense, topk = result["configs"]
+        assert (dense["config"], topk["config"]) == ("dense", "topk:0.01")
+        assert dense["params"] == topk["params"] > 400_000
+        assert (dense["decoupled_momentum"], topk["decoupled_momentum"]) == (False, True)
+        assert topk["estimated_bytes_sent_per_step"] < 0.1 * dense["estimated_bytes_sent_per_step"]
+    finally:
+        _assert_nothing_left(run_id)
+
+
+@pytest.mark.slow
 def test_sigterm_stops_workers_and_removes_namespaces():
     run_id = _run_id()
     argv = BENCH + ["--workers", "2", "--model", "tiny", "--steps", "100000", "--warmup", "1", "--densities",

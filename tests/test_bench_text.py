@@ -176,6 +176,7 @@ def test_evaluation_interval_divides_the_steps_into_about_16_evaluations():
     (("--steps", "100", "--eval-every", "30"), r"--eval-every must be >= 1 and divide --steps \(100\), got 30"),
     (("--model", "mlp"), "--model transformer goes with --dataset text or prose and only with them"),
     (("--adaptive",), "--adaptive .* not with --dataset text"),
+    (("--methods", "demo", "--optimizer", "sgd"), "demo .* is for --optimizer adam or adamw, got --optimizer sgd"),
 ])
 def test_bad_text_arguments_are_refused_before_training(capsys, args, message):
     import re
@@ -204,16 +205,18 @@ def test_tiny_text_run_reports_validation_loss_per_byte(capsys, dataset):
     steps, every = 30, 10
     assert convergence.main(["--dataset", dataset, "--model", "transformer", "--optimizer", "adamw",
                              "--steps", str(steps), "--eval-every", str(every), "--densities", "0.01",
-                             "--methods", "topk_ef", "--seeds", "1", "--density-warmup-steps", "0", "--json"]) == 0
+                             "--methods", "topk_ef,demo", "--seeds", "1", "--density-warmup-steps", "0",
+                             "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert (result["dataset"], result["steps"], result["eval_every"]) == (dataset, steps, every)
     assert result["optimizer"] == "AdamW(learning_rate=0.001, weight_decay=0.01)"
     assert result["model"] == "transformer 2x128, context 64"
     assert result["corpus"] == text.describe_corpus(dataset)
     assert result["test_samples"] == text.VAL_WINDOWS
-    dense, topk = result["configs"]
-    assert (dense["method"], topk["method"], topk["density"]) == ("dense", "topk_ef", 0.01)
-    for row in (dense, topk):
+    dense, topk, demo = result["configs"]
+    assert [(row["method"], row["density"]) for row in result["configs"]] == [
+        ("dense", None), ("topk_ef", 0.01), ("demo", 0.01)]
+    for row in (dense, topk, demo):
         assert "test_accuracy_mean" not in row and "vs_dense_points" not in row
         curve = row["curves"]["val_loss"]
         assert len(curve) == len(row["curves"]["train_loss"]) == steps // every
@@ -222,6 +225,7 @@ def test_tiny_text_run_reports_validation_loss_per_byte(capsys, dataset):
         # It learns: from about ln 256 at the start to well below it, still falling.
         assert curve[-1] < curve[0] < UNIFORM_NATS, (row["method"], curve)
     assert dense["val_loss_mean"] < 0.7 * UNIFORM_NATS, dense["curves"]
-    assert topk["vs_dense_nats"] == pytest.approx(topk["val_loss_mean"] - dense["val_loss_mean"], abs=2e-5)
+    for row in (topk, demo):
+        assert row["vs_dense_nats"] == pytest.approx(row["val_loss_mean"] - dense["val_loss_mean"], abs=2e-5)
+        assert row["sent_density"] == pytest.approx(0.01, abs=2e-3)
     assert dense["vs_dense_nats"] == 0.0
-    assert topk["sent_density"] == pytest.approx(0.01, abs=2e-3)

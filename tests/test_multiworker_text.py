@@ -1,7 +1,8 @@
 """Two real workers (MultiWorkerMirroredStrategy over localhost) train the byte-level transformer with
-TopKOptimizer(AdamW) with Adam's momentum correction (the example's recipe): through the dense warm-up, the
-freeze of the second moment and sparse steps, both workers end with bitwise the same weights, and
-with the model of the same two replicas run in one process."""
+TopKOptimizer(AdamW): by default (decoupled momentum at density 0.01, each worker's own momentum), and with
+Adam's momentum correction (through its dense warm-up, the freeze of the second moment and sparse steps),
+both workers end with bitwise the same weights, and with the model of the same two replicas run in one
+process."""
 
 import json
 import subprocess
@@ -11,8 +12,9 @@ import pytest
 from multiworker import PYTHON, REPO_ROOT, worker_env
 from tf_topk.launch import run_workers
 
-COMMAND = [*PYTHON, str(REPO_ROOT / "examples" / "text_fit.py"), "--steps", "12", "--warmup", "3",
-           "--layers", "1", "--width", "32", "--density", "0.01"]
+COMMAND = [*PYTHON, str(REPO_ROOT / "examples" / "text_fit.py"), "--steps", "12", "--layers", "1", "--width",
+           "32", "--density", "0.01"]
+METHODS = {"decoupled_momentum": [], "momentum_correction": ["--momentum-correction", "--warmup", "3"]}
 
 
 def report(output):
@@ -20,16 +22,18 @@ def report(output):
 
 
 @pytest.mark.slow
-def test_two_workers_end_bitwise_identical_and_as_two_replicas_in_one_process():
-    result = run_workers(2, COMMAND, timeout=300)
+@pytest.mark.parametrize("method", METHODS)
+def test_two_workers_end_bitwise_identical_and_as_two_replicas_in_one_process(method):
+    command = COMMAND + METHODS[method]
+    result = run_workers(2, command, timeout=300)
     assert result.ok, result.format_failure()
     workers = [report(output) for output in result.outputs]
     assert [r["worker"] for r in workers] == [0, 1] and all(r["replicas"] == 2 for r in workers)
-    assert all(r["steps"] == 12 for r in workers)
+    assert all(r["steps"] == 12 and r["method"] == method for r in workers)
     assert workers[0]["weights_sha256"] == workers[1]["weights_sha256"]
     assert 0 < workers[0]["val_loss"] < 5.545  # below a uniform guess over 256 bytes
     # subprocess.run kills the process if it runs past the timeout.
-    one = subprocess.run(COMMAND + ["--logical-cpus", "2"], cwd=REPO_ROOT, env=worker_env(), capture_output=True,
+    one = subprocess.run(command + ["--logical-cpus", "2"], cwd=REPO_ROOT, env=worker_env(), capture_output=True,
                          text=True, timeout=300)
     assert one.returncode == 0, one.stderr[-4000:]
     local = report(one.stdout)

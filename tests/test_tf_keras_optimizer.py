@@ -159,7 +159,7 @@ def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
     # Arguments given replace config's fields (method="gaussian" too, though the default); the rest is config's.
     optimizer = TopKOptimizer(tf_keras.optimizers.SGD(0.05, momentum=0.9), config=config, method="gaussian",
                               momentum_correction=True)
-    assert optimizer.exchange_config == config.replace(method="gaussian", momentum=0.9)
+    assert optimizer.exchange_config == config.replace(method="gaussian", momentum=0.9, decoupled_momentum=False)
     assert (optimizer.method, optimizer.exchange_mode, optimizer.momentum_correction) == ("gaussian", "auto", True)
     written = optimizer.get_config()
     assert written["momentum_masking"] is True and written["momentum_correction"] is True
@@ -177,7 +177,8 @@ def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
     loaded = TopKOptimizer.from_config(json.loads(json.dumps(old)))
     assert loaded.exchange_config == ExchangeConfig(density=[(0, 0.1), (4, 0.01)], method="exact", min_size=1000,
                                                     momentum=0.9, local_clipnorm=5.0, exchange_mode="allreduce",
-                                                    momentum_masking=True, density_warmup_steps=0)
+                                                    momentum_masking=True, density_warmup_steps=0,
+                                                    decoupled_momentum=False)
     rewritten = loaded.get_config()
     assert {name: rewritten[name] for name in old} == old and rewritten["momentum_masking"] is True
 

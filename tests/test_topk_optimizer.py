@@ -194,7 +194,8 @@ def test_exchange_config_round_trips_through_get_config_json_and_from_config():
                             momentum_masking=True, local_clipnorm=5.0, exchange_mode="auto")
     opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), config=config,
                                 momentum_correction=True)
-    assert opt.exchange_config == config.replace(momentum=0.9, nesterov=True)
+    # The wrapper resolves decoupled_momentum="auto" from the inner optimizer (SGD: off).
+    assert opt.exchange_config == config.replace(momentum=0.9, nesterov=True, decoupled_momentum=False)
     written = opt.get_config()
     # Flat keys, as earlier versions wrote them, plus the field they had no key for;
     # momentum and nesterov are the inner SGD's, so only momentum_correction is written.
@@ -226,7 +227,7 @@ def test_config_written_by_an_earlier_version_still_loads(new_keys):
     assert opt.exchange_config == ExchangeConfig(
         density=[(0, 0.1), (10, 0.01)], method="exact", min_size=500, bucket_bytes=4096, momentum=0.9,
         local_clipnorm=5.0, exchange_mode="auto" if new_keys else "allgather", sparse_output=new_keys,
-        momentum_masking=True, density_warmup_steps=0)
+        momentum_masking=True, density_warmup_steps=0, decoupled_momentum=False)
     assert opt.momentum_correction and opt.sparse_updates is new_keys and opt.density == [(0, 0.1), (10, 0.01)]
     written = opt.get_config()
     assert {name: written[name] for name in old} == old and written["momentum_masking"] is True
@@ -237,12 +238,13 @@ def test_arguments_given_replace_config_fields_and_the_rest_come_from_config():
     # method="gaussian" is the default value, but given: it replaces config's "exact".
     opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), config=config, density=0.05, method="gaussian",
                                 sparse_updates=False)
-    assert opt.exchange_config == ExchangeConfig(density=0.05, method="gaussian", min_size=100, exchange_mode="auto")
+    assert opt.exchange_config == ExchangeConfig(density=0.05, method="gaussian", min_size=100, exchange_mode="auto",
+                                                 decoupled_momentum=False)  # "auto" resolved: SGD
     assert (opt.density, opt.method, opt.min_size, opt.exchange_mode, opt.sparse_updates) == (
         0.05, "gaussian", 100, "auto", False)
     assert config.density == 0.01 and config.sparse_output  # the given config is left as it was
     plain = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), config=config)
-    assert plain.exchange_config == config and plain.sparse_updates is True
+    assert plain.exchange_config == config.replace(decoupled_momentum=False) and plain.sparse_updates is True
     with pytest.raises(AttributeError):
         plain.density = 0.5  # read-only: the exchange is made from exchange_config
 

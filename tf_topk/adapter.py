@@ -24,7 +24,7 @@ import threading
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from tf_topk.config import ExchangeConfig
+from tf_topk.config import DECOUPLED_UP_TO_DENSITY, ExchangeConfig
 from tf_topk.exchange import STAT_NAMES, SparseExchange
 from tf_topk.memory import state_name
 from tf_topk.notices import tell
@@ -142,19 +142,23 @@ _ADAM_CORRECTION_FREE = {"clipnorm": None, "clipvalue": None, "global_clipnorm":
                          "gradient_accumulation_steps": None, "loss_scale_factor": None}
 
 
+def _update_options_in_use(inner_optimizer):
+    """(name, value) of each option of _ADAM_CORRECTION_FREE the inner optimizer has set."""
+    return [(name, getattr(inner_optimizer, name, unused)) for name, unused in _ADAM_CORRECTION_FREE.items()
+            if getattr(inner_optimizer, name, unused) != unused]
+
+
 def check_adam_correction_options(inner_optimizer, keras_name):
     """Adam's momentum correction applies the sparsified variables' update
     itself (the exchanged direction, the learning rate, decoupled weight decay
     and the variables' constraints): an inner option acting elsewhere in
     Adam's own `apply` would be skipped for them, so it is refused by name."""
-    for name, unused in _ADAM_CORRECTION_FREE.items():
-        value = getattr(inner_optimizer, name, unused)
-        if value != unused:
-            raise ValueError(
-                f"momentum_correction=True with {type(inner_optimizer).__name__} applies the sparsified variables' "
-                f"update itself, so the inner optimizer's {name}={value!r} would not act on them: leave {name} "
-                f"unset, or use momentum_correction=False (the default: top-k with error feedback in front of the "
-                f"inner {type(inner_optimizer).__name__}, which keeps every option)")
+    for name, value in _update_options_in_use(inner_optimizer)[:1]:
+        raise ValueError(
+            f"momentum_correction=True with {type(inner_optimizer).__name__} applies the sparsified variables' "
+            f"update itself, so the inner optimizer's {name}={value!r} would not act on them: leave {name} "
+            f"unset, or use momentum_correction=False (the default: top-k with error feedback in front of the "
+            f"inner {type(inner_optimizer).__name__}, which keeps every option)")
 
 
 def check_sparse_updates(inner_optimizer, sgd_class, keras_name, momentum_correction):
@@ -200,9 +204,45 @@ class _FromConfig:
 FROM_CONFIG = _FromConfig()
 
 
+def check_decoupled_momentum(inner_optimizer, adam_classes, keras_name):
+    """decoupled_momentum=True replaces the inner Adam's update of the
+    sparsified variables by the sign of the decoded momentum: only Adam and
+    AdamW, without AMSGrad and without an option acting in their own update
+    of those variables (the same ones Adam's momentum correction refuses)."""
+    kind = type(inner_optimizer).__name__
+    if not is_adam(inner_optimizer, adam_classes):
+        raise ValueError(f"decoupled_momentum=True needs a {keras_name}.optimizers.Adam or AdamW as inner "
+                         f"optimizer (its update of the sparsified variables is replaced by a sign step at its "
+                         f"learning rate), got {kind}")
+    if getattr(inner_optimizer, "amsgrad", False):
+        raise ValueError(f"decoupled_momentum=True with {kind} applies the sign of its own momentum, which "
+                         "AMSGrad's running maximum would not act on: use amsgrad=False, or decoupled_momentum=False")
+    for name, value in _update_options_in_use(inner_optimizer)[:1]:
+        raise ValueError(
+            f"decoupled_momentum=True with {kind} applies the sparsified variables' update itself, so the "
+            f"inner optimizer's {name}={value!r} would not act on them: leave {name} unset, or use "
+            f"decoupled_momentum=False (top-k with error feedback in front of the inner {kind})")
+
+
+def _decoupled_momentum_chosen(inner_optimizer, adam_classes, config, parts_given):
+    """decoupled_momentum="auto": on for an inner Adam or AdamW that it keeps
+    every option of (no AMSGrad, none of the options it refuses), at a fixed
+    density of DECOUPLED_UP_TO_DENSITY or less, without momentum correction,
+    sparse updates or exchange parts given (a selector, memory or router
+    given is the method asked for)."""
+    if parts_given or config.momentum is not None or config.sparse_output or not config.error_feedback:
+        return False
+    if not is_adam(inner_optimizer, adam_classes) or getattr(inner_optimizer, "amsgrad", False):
+        return False
+    if _update_options_in_use(inner_optimizer):
+        return False
+    density = config.schedule.settled_density() if config.density is not None else None
+    return density is not None and config.schedule.adaptive is None and density <= DECOUPLED_UP_TO_DENSITY
+
+
 def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name, config=None,
                             momentum_correction=FROM_CONFIG, sparse_updates=FROM_CONFIG,
-                            sparse_updates_available=True, **options):
+                            sparse_updates_available=True, parts_given=False, **options):
     """The wrapper's one ExchangeConfig: `config` (None: the defaults) with the
     arguments given (not FROM_CONFIG) in place of its fields.
 
@@ -213,8 +253,10 @@ def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name
     config says (off by default, for every inner optimizer: top-k with error
     feedback in front of it keeps everything the inner optimizer does). A
     config with momentum set asks for momentum correction, so its values must
-    be the inner optimizer's. ExchangeConfig checks the values; here is only
-    what needs the inner optimizer.
+    be the inner optimizer's. decoupled_momentum="auto" is resolved here to
+    True or False (`_decoupled_momentum_chosen`; `parts_given`: the wrapper
+    was given a selector, memory or router). ExchangeConfig checks the
+    values; here is only what needs the inner optimizer.
     """
     if config is None:
         config = ExchangeConfig()
@@ -250,6 +292,15 @@ def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name
             raise ValueError("sparse_updates=True is available with Keras 3 (tf_topk.TopKOptimizer) and custom "
                              f"loops (SparseExchange(sparse_output=True)), not with {keras_name}")
         check_sparse_updates(inner_optimizer, sgd_class, keras_name, bool(momentum_correction))
+    decoupled = changes.get("decoupled_momentum", config.decoupled_momentum)
+    if decoupled is True:
+        if parts_given:
+            raise ValueError("decoupled_momentum=True makes the exchange's memory, which the parts given (selector, "
+                             "memory, router) would replace: pass one or the other")
+        check_decoupled_momentum(inner_optimizer, adam_classes, keras_name)
+    elif decoupled == "auto":
+        changes["decoupled_momentum"] = _decoupled_momentum_chosen(inner_optimizer, adam_classes,
+                                                                   config.replace(**changes), parts_given)
     return config.replace(**changes)
 
 
@@ -323,6 +374,7 @@ class TopKWrapper:
     selection_scope = property(lambda self: self._exchange_config.selection_scope)
     density_warmup_steps = property(lambda self: self._exchange_config.density_warmup_steps)
     momentum_correction = property(lambda self: self._exchange_config.momentum is not None)
+    decoupled_momentum = property(lambda self: self._exchange_config.decoupled_momentum)
     sparse_updates = property(lambda self: self._exchange_config.sparse_output)
 
     def _tf_variable(self, variable):

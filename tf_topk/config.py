@@ -40,6 +40,10 @@ WARMUP_UP_TO_DENSITY = 0.01
 DEFAULT_DENSITY_WARMUP_STEPS = 400
 WARMUP_INITIAL_DENSITY = 0.25
 
+# decoupled_momentum="auto" chooses DeMo's decoupled momentum for an inner Adam or AdamW at a fixed
+# density of this or less (measured: benchmarks/RESULTS.md#decoupled-momentum-for-adamw-demo).
+DECOUPLED_UP_TO_DENSITY = 0.01
+
 
 def check_min_size(min_size):
     if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 1:
@@ -92,6 +96,11 @@ def check_warmup_steps(warmup_steps):
     return warmup_steps
 
 
+def check_decoupled_momentum(value):
+    if value != "auto" and not isinstance(value, bool):
+        raise ValueError(f"decoupled_momentum must be 'auto', True or False, got {value!r}")
+
+
 def check_density_warmup_steps(steps):
     if steps != "auto" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
         raise ValueError(f"density_warmup_steps must be 'auto' or an int >= 0, got {steps!r}")
@@ -109,6 +118,22 @@ def _check_bucket_scope(config):
     if config.schedule.adaptive is not None:
         raise ValueError("selection_scope='bucket' cannot go with an adaptive density: pass a float density or "
                          "a schedule")
+
+
+def _check_decoupled_momentum_options(config):
+    """What decoupled_momentum=True cannot go with, named."""
+    if config.momentum is not None:
+        raise ValueError("decoupled_momentum=True keeps its own momentum: it cannot go with momentum correction "
+                         "(momentum=... / momentum_correction=True); pass one or the other")
+    if not config.error_feedback:
+        raise ValueError("decoupled_momentum=True keeps the momentum not sent in the residual: it needs "
+                         "error_feedback=True")
+    if config.sparse_output:
+        raise ValueError("sparse_output=True (sparse updates) is for SGD; decoupled_momentum=True applies a "
+                         "direction to every entry")
+    if config.schedule.adaptive is not None or config.schedule.autopilot:
+        raise ValueError("decoupled_momentum=True takes a fixed density or a schedule, not an adaptive density "
+                         f"or the autopilot, got density={config.density!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +197,16 @@ class ExchangeConfig:
         alone; from 5 on, where all_gather at 0.25 would send more than the
         dense all-reduce, agreed indices (or dense on the steps they would
         send more), for the whole run.
+      decoupled_momentum: True: DeMo's decoupled momentum
+        (`tf_topk.decoupled_momentum`): each replica's momentum in the space
+        of a blockwise DCT, the top-k of it sent, the sign of the decoded sum
+        applied as the update direction (by the Keras wrappers, at the inner
+        optimizer's learning rate, with its decoupled weight decay). "auto"
+        (default): the Keras wrappers choose it for an inner Adam or AdamW
+        at a fixed density of DECOUPLED_UP_TO_DENSITY (0.01) or less
+        (`tf_topk.adapter.wrapper_exchange_config`); an exchange made from
+        the config alone, which has no inner optimizer, takes it as False.
+        Not with momentum correction, sparse_output or an adaptive density.
 
     Frozen and checked when made: a bad value raises a ValueError that names
     it. `replace(**changes)` makes a checked copy.
@@ -193,9 +228,13 @@ class ExchangeConfig:
     variance_warmup_steps: int = 100
     selection_scope: str = "variable"
     density_warmup_steps: Any = "auto"
+    decoupled_momentum: Any = "auto"
 
     def __post_init__(self):
         check_method(self.method)
+        check_decoupled_momentum(self.decoupled_momentum)
+        if self.decoupled_momentum is True:
+            _check_decoupled_momentum_options(self)
         check_density_warmup_steps(self.density_warmup_steps)
         self.schedule  # validates the density
         check_min_size(self.min_size)
@@ -253,7 +292,7 @@ class ExchangeConfig:
         if self.density is not None:
             given = DensitySchedule(self.density)
         else:
-            fixed = self.beta_2 is not None or self.exchange_mode != "auto"
+            fixed = self.beta_2 is not None or self.decoupled_momentum is True or self.exchange_mode != "auto"
             given = DensitySchedule(FIXED_DEFAULT_DENSITY if fixed else AUTOPILOT)
         steps = self._warmup_steps(given)
         if not steps or given.constant >= WARMUP_INITIAL_DENSITY:  # nothing above it to start from
@@ -304,9 +343,12 @@ class ExchangeConfig:
         """Reads what get_config writes. A config written before
         density_warmup_steps existed ran its density from the first step:
         it loads with 0, not with today's default ("auto"), so that a run
-        resumed at a low density does not start a warm-up it never ran."""
+        resumed at a low density does not start a warm-up it never ran; one
+        written before decoupled_momentum existed loads with False, the
+        method it ran."""
         config = dict(config)
         config.setdefault("density_warmup_steps", 0)
+        config.setdefault("decoupled_momentum", False)  # written before it existed: the method it ran
         if isinstance(config.get("density"), list):  # JSON turns (step, density) pairs into lists
             config["density"] = [tuple(pair) if isinstance(pair, list) else pair for pair in config["density"]]
         return cls(**config)

@@ -172,6 +172,8 @@ class SparseExchange(tf.Module):
             tell(f"tf_topk: Adam's momentum correction: every entry for the first {self.config.variance_warmup_steps} "
                  f"steps, then density {FIXED_DEFAULT_DENSITY:g} (fixed: the autopilot does not choose a density for "
                  "a frozen second moment; pass density=... to choose one)")
+        if getattr(self.memory, "describe", None) and sparsifies:
+            tell(self.memory.describe())
         if self.config.density_warmup_taken and sparsifies:
             tell(describe_density_warmup(self.config))
         # Where the autopilot sends every entry in float32 with plain error feedback, one all-reduce of the

@@ -174,8 +174,16 @@ class Memory(abc.ABC):
 
 def memory_for(config, residuals=None):
     """The memory an ExchangeConfig asks for: momentum correction with
-    `momentum` (Adam's with `beta_2`), else error feedback (with ready-made
-    `residuals`, if given), else none."""
+    `momentum` (Adam's with `beta_2`), DeMo's decoupled momentum
+    (`decoupled_momentum=True`; "auto" is the Keras wrappers' to resolve,
+    and off here), else error feedback (with ready-made `residuals`, if
+    given), else none."""
+    if config.decoupled_momentum is True:
+        if residuals is not None:
+            raise ValueError("residuals=... is for plain error feedback; decoupled momentum makes its own state")
+        from tf_topk.decoupled_momentum import DecoupledMomentumMemory
+
+        return DecoupledMomentumMemory()
     if config.momentum is not None:
         if residuals is not None:
             raise ValueError("residuals=... is for plain error feedback; with momentum the memory makes its state")

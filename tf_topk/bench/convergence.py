@@ -7,8 +7,9 @@ generated 1-D waveforms, with a 1-D CNN), trains the same model
 with the same inner optimizer, budget (epochs) and seeds:
 
     dense       the inner optimizer alone
-    topk_ef     tf_topk.TopKOptimizer(inner, density=d, momentum_correction=False)
-                (error-compensated top-k in front of the inner optimizer)
+    topk_ef     tf_topk.TopKOptimizer(inner, density=d, momentum_correction=False,
+                decoupled_momentum=False) (error-compensated top-k in front of the
+                inner optimizer)
     topk_mc     tf_topk.TopKOptimizer(inner, density=d, momentum_correction=True)
                 (SGD with momentum: DGC's momentum correction, without its momentum
                 factor masking unless --masking; Adam and
@@ -17,6 +18,9 @@ with the same inner optimizer, budget (epochs) and seeds:
     topk_noef   tf_topk.TopKOptimizer(inner, density=d, error_feedback=False)
     randk_ef    k entries chosen uniformly at random, same error feedback  (a BENCHMARK BASELINE,
                 tf_topk.selector.RandomKSelector in the library exchange)
+    demo        tf_topk.TopKOptimizer(inner, density=d, decoupled_momentum=True) (Adam and
+                AdamW: DeMo's decoupled momentum, `tf_topk.decoupled_momentum`; the
+                library's default for them at a fixed density of 0.01 or less)
 
 at each density, over `--seeds` seeds, and reports the final test accuracy
 (mean and std over seeds) per configuration; `--plot` draws the test-accuracy
@@ -74,13 +78,13 @@ from tf_topk.bench import text, time_to_accuracy
 from tf_topk.bench.data import load_data
 from tf_topk import cli
 
-METHODS = ("topk_ef", "topk_mc", "topk_noef", "randk_ef")
+METHODS = ("topk_ef", "topk_mc", "topk_noef", "randk_ef", "demo")
 DEFAULT_METHODS = ("topk_ef", "topk_noef", "randk_ef")
 LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_mc": "top-k + EF + MC", "topk_noef": "top-k, no EF",
-          "randk_ef": "random-k + EF", "adaptive": "adaptive", "adaptive_mc": "adaptive + MC",
+          "randk_ef": "random-k + EF", "demo": "DeMo", "adaptive": "adaptive", "adaptive_mc": "adaptive + MC",
           "autopilot": "autopilot"}
 COLORS = {"dense": "black", "topk_ef": "tab:blue", "topk_mc": "tab:purple", "topk_noef": "tab:red",
-          "randk_ef": "tab:green", "adaptive": "tab:orange", "adaptive_mc": "tab:brown", "autopilot": "tab:cyan"}
+          "randk_ef": "tab:green", "demo": "tab:olive", "adaptive": "tab:orange", "adaptive_mc": "tab:brown", "autopilot": "tab:cyan"}
 
 
 # -- the random-k baseline (benchmark only) ------------------------------------------------
@@ -163,6 +167,9 @@ def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries
         common["config"] = tf_topk.ExchangeConfig(momentum_masking=True)
     # Momentum correction only where the method names it (TopKOptimizer's default is without).
     common["momentum_correction"] = method in ("topk_mc", "adaptive_mc")
+    # Decoupled momentum only where the method names it (the library's "auto" takes it for Adam and AdamW
+    # at a fixed density of 0.01 or less: here each method says what it runs).
+    common["decoupled_momentum"] = method == "demo"
     if method == "topk_mc" and args.optimizer in ("adam", "adamw"):
         common["variance_warmup_steps"] = variance_warmup_steps(args, steps_per_epoch)
     if method in ("adaptive", "adaptive_mc"):
@@ -180,7 +187,7 @@ def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries
         density = tf_topk.schedule.dgc_warmup(steps_per_epoch, epochs=args.warmup_epochs, final=density)
     else:  # a fixed density: the library's warm-up of it ("auto", the default), or as asked
         common["density_warmup_steps"] = getattr(args, "density_warmup_steps", "auto")
-    if method in ("topk_ef", "topk_mc"):
+    if method in ("topk_ef", "topk_mc", "demo"):
         return tf_topk.TopKOptimizer(inner, density=density, **common)
     if method == "topk_noef":
         return tf_topk.TopKOptimizer(inner, density=density, error_feedback=False, **common)
@@ -292,8 +299,10 @@ def _test_callback(keras, x_test, y_test):
     return Test()
 
 
-def train_one(method, density, seed, data, args, strategy):
-    """Train one configuration and seed; returns per-epoch curves and the optimizer's last stats."""
+def train_one(method, density, seed, data, args, strategy, optimizer_for=None):
+    """Train one configuration and seed; returns per-epoch curves and the optimizer's last stats.
+    `optimizer_for(keras, args)`, if given, makes the optimizer instead of `method` (a trial's variant,
+    `benchmarks/adamw_candidates.py`); `method` then only says whether it is dense."""
     import keras
 
     x_train, y_train, x_test, y_test = data
@@ -306,8 +315,8 @@ def train_one(method, density, seed, data, args, strategy):
             model = make_model(keras, x_train.shape[1], args.hidden, int(max(y_train.max(), y_test.max())) + 1,
                                args.model)
         steps_per_epoch = args.eval_every if lm else -(-len(x_train) // args.batch_size)
-        optimizer = make_optimizer(keras, method, density, args, steps_per_epoch,
-                                   sparse_entries=entry_counts(model, args.min_size)[0])
+        optimizer = optimizer_for(keras, args) if optimizer_for else make_optimizer(
+            keras, method, density, args, steps_per_epoch, sparse_entries=entry_counts(model, args.min_size)[0])
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=[] if lm else ["accuracy"], jit_compile=False)  # the selection op has no XLA kernel
     counter = _bytes_callback(keras, optimizer, model, args.workers)
@@ -679,7 +688,9 @@ def _links(text):
     return values
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line's arguments, checked and completed with their defaults (a bad one exits with
+    argparse's usage error, before anything trains)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tf_topk.bench convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -828,8 +839,15 @@ def main(argv=None):
     if args.weight_decay is not None and args.optimizer != "adamw":
         parser.error(f"--weight-decay is AdamW's, got --optimizer {args.optimizer}")
     args.weight_decay = 0.01 if args.weight_decay is None else args.weight_decay
+    if "demo" in args.methods and args.optimizer == "sgd":
+        parser.error("demo (decoupled momentum) is for --optimizer adam or adamw, got --optimizer sgd")
     if "topk_mc" in args.methods and args.optimizer == "sgd" and args.momentum <= 0:
         parser.error("topk_mc (momentum correction) needs --momentum > 0 with --optimizer sgd")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
 
     def log(message):
         print(f"[convergence] {message}", file=sys.stderr, flush=True)

@@ -131,6 +131,8 @@ def summarize(config, workers_results, duration_s):
         "config": config,
         "density": float(config.split(":", 1)[1].split("@")[0]) if ":" in config else None,
         "exchange_mode": config.split("@")[1] if "@" in config else None,
+        "params": first.get("params"),
+        "decoupled_momentum": first.get("decoupled_momentum"),  # TopKOptimizer's choice (AdamW at <= 0.01)
         "step_time_s": round(step_time, 5),
         "step_time_s_min": round(min(per_step), 5),
         "step_time_s_max": round(max(per_step), 5),
@@ -260,6 +262,7 @@ def run_config(config, args, cluster, run_id, out_dir, stream):
     config_dir = os.path.join(out_dir, config.replace(":", "_"))
     os.makedirs(config_dir)
     worker = [sys.executable, "-m", WORKER_MODULE, "--config", config, "--model", args.model,
+              "--optimizer", args.optimizer,
               "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
               "--learning-rate", str(args.learning_rate), "--seed", str(args.seed), "--threads", str(args.threads),
               "--out", config_dir, "--parent-pid", str(os.getpid()), "--run-id", run_id,
@@ -297,7 +300,8 @@ def run(args):
     started = time.monotonic()
     result = {
         "benchmark": "e2e", "workers": args.workers, "bandwidth": args.bandwidth if args.netns else "none",
-        "latency": args.latency, "netns": args.netns, "model": args.model, "batch_size": args.batch_size,
+        "latency": args.latency, "netns": args.netns, "model": args.model, "optimizer": args.optimizer,
+        "batch_size": args.batch_size,
         "steps": args.steps, "warmup": args.warmup, "run_id": run_id,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(), "command": "python -m tf_topk.bench e2e " + " ".join(args.argv),
@@ -371,7 +375,10 @@ def main(argv=None):
     parser.add_argument("--bandwidth", default="100mbit", help="per-worker link rate (tc tbf): 100mbit, 1gbit, "
                         "10gbit, none (default 100mbit)")
     parser.add_argument("--latency", default=None, help="one-way delay added by netem, e.g. 1ms (needs sch_netem)")
-    parser.add_argument("--model", choices=("wide", "cnn", "tiny"), default="wide",
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd",
+                        help="sgd: SGD with momentum 0.9 (default); adamw: AdamW with weight decay 0.01, which "
+                             "TopKOptimizer runs with decoupled momentum at a fixed density of 0.01 or less")
+    parser.add_argument("--model", choices=("wide", "cnn", "tiny", "transformer"), default="wide",
                         help="wide: 12.6M-parameter MLP; cnn: small CNN (0.2M); tiny: for tests")
     parser.add_argument("--densities", type=_parse_densities, default=[0.01, 0.001],
                         help="comma-separated TopK densities (default 0.01,0.001)")

@@ -47,7 +47,8 @@ import time
 _START = time.monotonic()
 PR_SET_PDEATHSIG = 1
 
-MODELS = ("wide", "cnn", "tiny")
+MODELS = ("wide", "cnn", "tiny", "transformer")
+OPTIMIZERS = ("sgd", "adamw")
 
 
 def die_with_parent(parent_pid):
@@ -94,7 +95,9 @@ def read_tcp(pid):
 
 
 def build_model(keras, name, seed):
-    """(model, input shape, classes). `wide`: 12.6M parameters, little compute."""
+    """(model, input shape, classes). `wide`: 12.6M parameters, little compute; `transformer`: the
+    convergence benchmark's byte-level language model (`tf_topk.bench.text.make_transformer`, 2 blocks of
+    width 128, 64-byte windows: logits for the next byte at every position)."""
     keras.utils.set_random_seed(seed)
     layers = keras.layers
     if name == "wide":
@@ -107,6 +110,11 @@ def build_model(keras, name, seed):
                                   layers.MaxPooling2D(), layers.Conv2D(32, 3, activation="relu"),
                                   layers.MaxPooling2D(), layers.Flatten(), layers.Dense(256, activation="relu"),
                                   layers.Dense(10)])
+    elif name == "transformer":
+        from tf_topk.bench import text
+
+        shape = (text.CONTEXT,)
+        return text.make_transformer(keras), shape, text.VOCAB
     elif name == "tiny":
         shape = (256,)
         model = keras.Sequential([keras.Input(shape), layers.Dense(256, activation="relu"), layers.Dense(10)])
@@ -115,8 +123,14 @@ def build_model(keras, name, seed):
     return model, shape, 10
 
 
-def make_batches(np, shape, classes, batch_size, seed, index, count=4):
-    """`count` batches for this worker; labels from a random linear teacher shared by all workers."""
+def make_batches(np, shape, classes, batch_size, seed, index, count=4, tokens=False):
+    """`count` batches for this worker; labels from a random linear teacher shared by all workers.
+    `tokens`: random bytes and a random next byte at each position (the language model's shapes; what
+    is timed is the same whatever the bytes)."""
+    if tokens:
+        rng = np.random.default_rng(seed + 1000 + index)
+        return [(rng.integers(0, classes, (batch_size,) + tuple(shape)).astype(np.int32),
+                 rng.integers(0, classes, (batch_size,) + tuple(shape)).astype(np.int32)) for _ in range(count)]
     dim = int(np.prod(shape))
     teacher = np.random.default_rng(seed).standard_normal((dim, classes)).astype(np.float32)
     rng = np.random.default_rng(seed + 1000 + index)
@@ -157,6 +171,8 @@ def parse_args(argv=None):
     p.add_argument("--config", required=True, help="dense, topk:<density>, dgc:<density>, adaptive, autopilot, "
                    "dense_bf16 or calibrate:<runs>")
     p.add_argument("--model", choices=MODELS, default="wide")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="sgd: SGD with momentum 0.9; adamw: AdamW with weight decay 0.01")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
@@ -196,7 +212,8 @@ def build_training(keras, tf_topk, strategy, args, kind, density, exchange_mode=
     when given."""
     with strategy.scope():
         model, shape, classes = build_model(keras, args.model, args.seed)
-        inner = keras.optimizers.SGD(args.learning_rate, momentum=0.9)
+        inner = keras.optimizers.AdamW(args.learning_rate, weight_decay=0.01) if args.optimizer == "adamw" else \
+            keras.optimizers.SGD(args.learning_rate, momentum=0.9)
         if kind is None:
             optimizer = inner
         elif kind in ("adaptive", "autopilot"):
@@ -363,13 +380,14 @@ def main(argv=None):
     params = int(sum(np.prod(v.shape) for v in model.trainable_variables))
     global_batch = args.batch_size * replicas
     batches = [(tf.constant(x), tf.constant(y)) for x, y in
-               make_batches(np, shape, classes, args.batch_size, args.seed, index)]
+               make_batches(np, shape, classes, args.batch_size, args.seed, index, tokens=args.model == "transformer")]
     train_step = make_train_step(tf, strategy, model, optimizer, replicas, global_batch)
     barrier = make_barrier(tf, strategy)
 
     measured = measure(args, train_step, barrier, batches)
     result = {
         "index": index, "config": args.config, "model": args.model, "params": params,
+        "optimizer": args.optimizer, "decoupled_momentum": bool(getattr(optimizer, "decoupled_momentum", False)),
         "replicas": replicas, "batch_size": args.batch_size, "steps": args.steps, "warmup": args.warmup,
         **measured,
         **estimate_bytes(tf_topk, optimizer, density, params, replicas),

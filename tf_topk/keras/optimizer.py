@@ -193,6 +193,24 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
       variance_warmup_steps: with Adam's momentum correction, the dense
         steps before the second moment freezes (default 100; 10% of the
         run or less is enough).
+      decoupled_momentum: "auto" (default), True or False. True: DeMo's
+        decoupled momentum for an inner `Adam` or `AdamW`
+        (`tf_topk.decoupled_momentum`): each replica keeps its own momentum
+        (decay 0.999) in the space of a DCT over blocks of up to 64x64
+        entries, sends its top-k coefficients and keeps the rest, and every
+        sparsified entry moves by the learning rate times the sign of the
+        decoded sum (plus AdamW's decoupled weight decay); the dense-path
+        variables keep the inner Adam. "auto" takes it for an inner Adam or
+        AdamW at a fixed density of 0.01 or less
+        (`tf_topk.config.DECOUPLED_UP_TO_DENSITY`), where top-k in front of
+        Adam loses most (measured:
+        benchmarks/RESULTS.md#decoupled-momentum-for-adamw-demo), unless an
+        inner option it cannot honour is set (clipnorm, clipvalue,
+        global_clipnorm, use_ema, gradient_accumulation_steps,
+        loss_scale_factor, amsgrad: those keep top-k in front of the inner
+        Adam), momentum_correction=True, error_feedback=False or exchange
+        parts are given; otherwise False. True with one of those: a
+        ValueError naming it. The chief prints one line saying it runs.
       local_clipnorm: None, or clip each replica's gradient to this global
         norm / sqrt(replicas) before it enters the accumulation (DGC's local
         clipping); think of it as the clip norm of the summed gradient.
@@ -277,7 +295,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
                  bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
                  local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
                  variance_warmup_steps=FROM_CONFIG, selection_scope=FROM_CONFIG,
-                 density_warmup_steps=FROM_CONFIG,
+                 density_warmup_steps=FROM_CONFIG, decoupled_momentum=FROM_CONFIG,
                  config=None, selector=None, memory=None, router=None, **kwargs):
         check_inner_optimizer(inner_optimizer, keras.optimizers.Optimizer, TopKOptimizer,
                               keras.mixed_precision.LossScaleOptimizer, "keras")
@@ -286,7 +304,8 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
             momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
             variance_warmup_steps=variance_warmup_steps, selection_scope=selection_scope,
-            density_warmup_steps=density_warmup_steps,
+            density_warmup_steps=density_warmup_steps, decoupled_momentum=decoupled_momentum,
+            parts_given=any(part is not None for part in (selector, memory, router)),
             sparse_updates=sparse_updates)
         parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "keras")

@@ -68,7 +68,9 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
     bucket_bytes, error_feedback, momentum_correction (for an inner
     `tf_keras.optimizers.SGD` with momentum > 0, or Adam's for an inner
     `Adam` or `AdamW`; off unless asked for), variance_warmup_steps, local_clipnorm, name,
-    exchange_mode, selection_scope, density_warmup_steps, and `config` (a `tf_topk.ExchangeConfig`, whose fields the
+    exchange_mode, selection_scope, density_warmup_steps, decoupled_momentum
+    (DeMo for an inner `Adam` or `AdamW`; "auto" takes it at a fixed density
+    of 0.01 or less), and `config` (a `tf_topk.ExchangeConfig`, whose fields the
     arguments given replace), selector, memory and router (parts for the
     exchange; `get_config` of an optimizer given any raises
     NotImplementedError).
@@ -101,7 +103,7 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
                  bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
                  local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
                  variance_warmup_steps=FROM_CONFIG, selection_scope=FROM_CONFIG,
-                 density_warmup_steps=FROM_CONFIG,
+                 density_warmup_steps=FROM_CONFIG, decoupled_momentum=FROM_CONFIG,
                  config=None, selector=None, memory=None, router=None, **kwargs):
         if isinstance(inner_optimizer, tf_keras.optimizers.legacy.Optimizer):
             raise ValueError(
@@ -116,7 +118,8 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
             min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
             momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
             variance_warmup_steps=variance_warmup_steps, selection_scope=selection_scope,
-            density_warmup_steps=density_warmup_steps,
+            density_warmup_steps=density_warmup_steps, decoupled_momentum=decoupled_momentum,
+            parts_given=any(part is not None for part in (selector, memory, router)),
             sparse_updates=sparse_updates, sparse_updates_available=False)
         parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         kwargs.pop("is_legacy_optimizer", None)  # written by get_config

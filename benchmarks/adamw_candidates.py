@@ -1,0 +1,211 @@
+"""Trials of methods for AdamW at a low density on the language tasks, one JSON line per seed, and the
+paired summary of such lines (benchmarks/RESULTS.md, "Decoupled momentum for AdamW (DeMo)").
+
+    python benchmarks/adamw_candidates.py run VARIANT DENSITY SEEDS -- CONVERGENCE ARGUMENTS
+    python benchmarks/adamw_candidates.py summarize FILE.jsonl
+
+`run` trains with `tf_topk.bench.convergence`'s model, data and loop (`train_one`; the arguments after
+`--` are the benchmark's own, e.g. `--dataset prose --steps 2000 --replicas 2`), the optimizer made by
+VARIANT, and prints {"variant", "density", "seed", "dataset", "steps", "replicas", "final", "curve"} per
+seed. VARIANT is a name and options, `name:key=value,...`:
+
+    dense                      the inner AdamW alone
+    topk_ef                    top-k + error feedback in front of AdamW (decoupled_momentum=False)
+    mc                         Adam's momentum correction (vw=: its variance warm-up, default 10%)
+    demo                       decoupled momentum (the library's DecoupledMomentumMemory); options:
+                               decay=, chunk= (the DCT's block side), sign=0 (the decoded sum, not its
+                               sign), scale= (the direction times this)
+    demoq                      demo with a chunk-wise selection (ChunkTopKSelector: qchunk= entries a
+                               chunk, bits= 8, 4 or 2 for quantized values)
+
+and for every variant but dense: warm= the density warm-up ("auto", the library's default, or steps).
+
+`summarize` pairs each variant's seeds with dense's of the same dataset, steps and replicas, and prints
+the mean difference in nats/byte with its 95% t-interval.
+"""
+
+import collections
+import json
+import math
+import statistics
+import sys
+import time
+
+import tensorflow as tf
+
+import tf_topk.selector
+
+class ChunkTopKSelector(tf_topk.selector.Selector):
+    """The largest magnitudes of each fixed-size chunk of the flat tensor, k / chunks of them per chunk
+    (SparseLoCo's and DeMo's chunk-wise top-k), their values optionally quantized to `value_bits`.
+
+    Why chunks: an index within a chunk of `chunk` entries takes log2(chunk) bits (12 for 4096), not
+    32, and where the chunks tile a blockwise transform (`tf_topk.decoupled_momentum`), each block sends
+    as many components. Why quantize: a value in 8 or 2 bits beside a 12-bit index sends 2.5 or 1.75
+    bytes a pair where float32 and an int32 index send 8, so the same bytes carry 3.2x or 4.6x the
+    entries. The values returned are the quantized ones, so the quantization's error stays in the
+    residual (error feedback), as what was not sent does. Quantization is symmetric and uniform per
+    chunk, scaled by the chunk's largest selected magnitude: 2**bits levels without zero, the largest
+    exact (2 bits: +-1/3 and +-1 times it).
+
+    k below the number of chunks: one per chunk, then the k largest of those. Spare slots (k beyond
+    what the chunks give) hold value 0 at index 0.
+    """
+
+    def __init__(self, chunk=4096, value_bits=None):
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+        if value_bits is not None and (isinstance(value_bits, bool) or value_bits not in (2, 4, 8)):
+            raise ValueError(f"value_bits must be None, 2, 4 or 8, got {value_bits!r}")
+        self.chunk, self.value_bits = chunk, value_bits
+
+    def select(self, accumulated, k):
+        n = int(accumulated.shape[0])
+        chunks = -(-n // self.chunk)
+        padded = tf.reshape(tf.pad(accumulated, [[0, chunks * self.chunk - n]]), [chunks, self.chunk])
+        k = tf.convert_to_tensor(k, tf.int32)
+        per_chunk = tf.maximum(1, k // chunks)
+        _, local = tf.math.top_k(tf.abs(padded), per_chunk, sorted=False)
+        values = tf.gather(padded, local, batch_dims=1)
+        if self.value_bits is not None:
+            values = _quantized(values, self.value_bits)
+        indices = tf.reshape(local + self.chunk * tf.range(chunks)[:, None], [-1])
+        values = tf.reshape(values, [-1])
+        taken = tf.minimum(k, tf.size(values))
+        _, order = tf.math.top_k(tf.abs(values), taken, sorted=False)
+        values, indices = tf.gather(values, order), tf.gather(indices, order)
+        spare = k - taken
+        return (tf.concat([values, tf.zeros([spare], values.dtype)], 0),
+                tf.concat([indices, tf.zeros([spare], tf.int32)], 0))
+
+    def __repr__(self):
+        return f"ChunkTopKSelector(chunk={self.chunk}, value_bits={self.value_bits})"
+
+
+def _quantized(values, bits):
+    """Each row of `values` on 2**bits symmetric uniform levels without zero, the largest magnitude of
+    the row exact: levels (2i + 1) * step / 2 for i < 2**(bits-1), step = 2 * max / (2**bits - 1)."""
+    half = 2 ** (bits - 1)
+    largest = tf.reduce_max(tf.abs(values), axis=1, keepdims=True)
+    step = 2.0 * largest / (2 * half - 1)
+    level = tf.clip_by_value(tf.floor(tf.math.divide_no_nan(tf.abs(values), step)), 0, half - 1)
+    quantized = tf.sign(values) * (level + 0.5) * step
+    return tf.where(tf.equal(values, 0), tf.zeros_like(values), quantized)
+
+
+def pair_bytes(value_bits, chunk, scale_bits=16):
+    """Bytes a (value, index) pair of ChunkTopKSelector would take on a wire, and a chunk's scale:
+    value_bits (32 unquantized) and log2(chunk) bits of index within the chunk."""
+    return (value_bits + math.ceil(math.log2(chunk))) / 8.0, scale_bits / 8.0 if value_bits < 32 else 0.0
+
+
+
+def make_builder(variant, density):
+    """optimizer_for(keras, args) of one variant (see the module's docstring)."""
+    name, _, text = variant.partition(":")
+    options = dict(pair.split("=") for pair in text.split(",") if pair)
+    known = {"dense", "topk_ef", "mc", "demo", "demoq"}
+    if name not in known:
+        raise SystemExit(f"unknown variant {name!r}: one of {', '.join(sorted(known))}")
+
+    def build(keras, args):
+        import tf_topk
+        from tf_topk.bench import convergence
+        from tf_topk.decoupled_momentum import DecoupledMomentumMemory
+
+        inner = convergence.make_inner(keras, args)
+        if name == "dense":
+            return inner
+        warm = options.get("warm", "auto")
+        common = dict(density=density, density_warmup_steps=warm if warm == "auto" else int(warm))
+        if name == "topk_ef":
+            return tf_topk.TopKOptimizer(inner, decoupled_momentum=False, **common)
+        if name == "mc":
+            return tf_topk.TopKOptimizer(inner, momentum_correction=True,
+                                         variance_warmup_steps=int(options.get("vw", args.steps // 10)), **common)
+        scale = float(options.get("scale", 1.0))
+
+        class Scaled(DecoupledMomentumMemory):
+            def apply_sparse(self, slot, summed, keep):
+                return scale * super().apply_sparse(slot, summed, keep)
+
+        memory = (Scaled if scale != 1.0 else DecoupledMomentumMemory)(
+            decay=float(options.get("decay", 0.999)), chunk=int(options.get("chunk", 64)),
+            sign=options.get("sign", "1") == "1")
+        if name == "demo":
+            return tf_topk.TopKOptimizer(inner, memory=memory, **common)
+        selector = ChunkTopKSelector(int(options.get("qchunk", 4096)), int(options["bits"]) if "bits" in options
+                                     else None)
+        return tf_topk.TopKOptimizer(inner, memory=memory, selector=selector, **common)
+
+    return build
+
+
+def run(variant, density, seeds, argv):
+    from tf_topk.bench import convergence
+
+    args = convergence.parse_args(argv)
+    if args.replicas > 1:
+        convergence.split_cpu(args.replicas)
+    data = convergence.load_data(args.dataset)
+    strategy = convergence.replica_strategy(args.replicas)
+    build = make_builder(variant, density)
+    for seed in seeds:
+        started = time.monotonic()
+        result = convergence.train_one("dense" if variant == "dense" else "trial", density, seed, data, args,
+                                       strategy, optimizer_for=build)
+        print(json.dumps({"variant": variant, "density": density, "seed": seed, "dataset": args.dataset,
+                          "steps": args.steps, "replicas": args.replicas, "final": result["val_loss"][-1],
+                          "curve": [round(v, 4) for v in result["val_loss"]],
+                          "seconds": round(time.monotonic() - started, 1)}), flush=True)
+
+
+def t_interval(differences):
+    """(mean, low, high): the 95% t-interval of the mean of paired differences."""
+    from scipy import stats
+
+    mean = statistics.fmean(differences)
+    if len(differences) < 2:
+        return mean, math.nan, math.nan
+    half = stats.t.ppf(0.975, len(differences) - 1) * statistics.stdev(differences) / math.sqrt(len(differences))
+    return mean, mean - half, mean + half
+
+
+def summarize(lines):
+    """Rows (dataset, steps, replicas, variant, density, seeds, dense mean, mean difference, low, high)."""
+    runs = [json.loads(line) for line in lines if line.strip()]
+    dense = {(r["dataset"], r["steps"], r.get("replicas", 1), r["seed"]): r["final"] for r in runs
+             if r["variant"] == "dense"}
+    groups = collections.defaultdict(dict)
+    for r in runs:
+        if r["variant"] != "dense":
+            groups[(r["dataset"], r["steps"], r.get("replicas", 1), r["variant"], r["density"])][r["seed"]] = r["final"]
+    rows = []
+    for (dataset, steps, replicas, variant, density), finals in sorted(groups.items(), key=str):
+        # One replica's dense run is dense at any replica count (the same global batch and update).
+        paired = sorted(seed for seed in finals if (dataset, steps, 1, seed) in dense)
+        if not paired:
+            continue
+        differences = [finals[seed] - dense[(dataset, steps, 1, seed)] for seed in paired]
+        mean, low, high = t_interval(differences)
+        rows.append((dataset, steps, replicas, variant, density, paired,
+                     statistics.fmean(dense[(dataset, steps, 1, seed)] for seed in paired), mean, low, high))
+    return rows
+
+
+def main(argv):
+    if len(argv) >= 2 and argv[0] == "summarize":
+        with open(argv[1]) as lines:
+            for dataset, steps, replicas, variant, density, seeds, dense, mean, low, high in summarize(lines):
+                print(f"{dataset:6} {steps:5} steps {replicas} replica(s) {variant:32} {density:<7g} seeds "
+                      f"{','.join(map(str, seeds)):8} dense {dense:.4f}  {mean:+.3f} ({low:+.3f} to {high:+.3f})")
+        return 0
+    if len(argv) < 4 or argv[0] != "run":
+        raise SystemExit(__doc__)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    run(argv[1], float(argv[2]), [int(s) for s in argv[3].split(",")], rest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,307 @@
+"""Decoupled momentum (DeMo) for Adam and AdamW: the transform, the update against a numpy reference on
+2 and 3 replicas, when "auto" chooses it, what it refuses, and what it does with a non-finite step.
+
+One process, logical CPUs (MirroredStrategy): each replica gets its own gradients, applied through
+`TopKOptimizer(AdamW, ...)`; the reference keeps each replica's momentum in the DCT's space, takes its
+exact top-k, and applies the sign of the decoded sum at the learning rate after AdamW's decay.
+"""
+
+import functools
+import math
+
+import keras
+import numpy as np
+import pytest
+import scipy.fft
+import tensorflow as tf
+import tf_keras
+
+from test_exchange_matrix import mirrored_strategy  # makes the logical CPUs at import
+
+import tf_topk
+import tf_topk.tf_keras
+from tf_topk.decoupled_momentum import DEFAULT_DECAY, BlockDCT, DecoupledMomentumMemory, block_side
+
+LR, WEIGHT_DECAY, DENSITY, MIN_SIZE, STEPS = 0.01, 0.1, 1 / 128, 1000, 4
+# (shape, sparsified): 2048 and 2304 entries (k = 16 and 18 exactly; blocks 64x32 and 48x48), a bias.
+SHAPES = [((64, 32), True), ((6, 8, 48), True), ((8,), False)]
+NAN_STEP = 2  # one replica's gradient holds a NaN: the step is skipped on every replica
+
+
+def reference_dct(flat, shape):
+    """The blockwise orthonormal 2-D DCT-II by scipy, in BlockDCT's layout (each block contiguous)."""
+    rows, columns = int(np.prod(shape[:-1])) if len(shape) > 1 else 1, shape[-1]
+    a, b = block_side(rows, 64), block_side(columns, 64)
+    blocks = flat.reshape(rows // a, a, columns // b, b).transpose(0, 2, 1, 3)
+    return scipy.fft.dctn(blocks, axes=(2, 3), norm="ortho").reshape(-1)
+
+
+def reference_idct(flat, shape):
+    rows, columns = int(np.prod(shape[:-1])) if len(shape) > 1 else 1, shape[-1]
+    a, b = block_side(rows, 64), block_side(columns, 64)
+    blocks = scipy.fft.idctn(flat.reshape(rows // a, columns // b, a, b), axes=(2, 3), norm="ortho")
+    return blocks.transpose(0, 2, 1, 3).reshape(-1)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (6, 8, 48), (4096,), (7, 11), (130, 96)])
+def test_the_block_dct_is_scipys_orthonormal_dct_per_block_and_inverts(shape):
+    x = np.random.default_rng(0).standard_normal(int(np.prod(shape))).astype(np.float32)
+    transform = BlockDCT(shape)
+    coefficients = transform.forward(tf.constant(x)).numpy()
+    np.testing.assert_allclose(coefficients, reference_dct(x.astype(np.float64), shape), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(transform.inverse(tf.constant(coefficients)).numpy(), x, rtol=1e-4, atol=1e-5)
+    # Orthonormal: the energy is kept.
+    assert math.isclose(float(np.sum(coefficients ** 2)), float(np.sum(x ** 2)), rel_tol=1e-4)
+
+
+def test_block_sides_are_the_largest_divisors_up_to_the_chunk():
+    assert [block_side(n, 64) for n in (128, 48, 96, 7, 1, 130)] == [64, 48, 48, 7, 1, 26]
+
+
+class Reference:
+    """DeMo on numpy: per replica, m <- decay * m + DCT(g), send the exact top-k of |m|, keep the rest;
+    sparsified variables move by lr * sign(IDCT(sum sent)) after AdamW's decay; the bias by AdamW."""
+
+    def __init__(self, start, replicas):
+        self.weights = [w.astype(np.float64).copy() for w in start]
+        self.momenta = [[np.zeros(w.size) for w, (_, sparse) in zip(start, SHAPES) if sparse]
+                        for _ in range(replicas)]
+        self.adam_m, self.adam_v, self.t = np.zeros(SHAPES[2][0]), np.zeros(SHAPES[2][0]), 0
+
+    def step(self, grads):
+        """grads[replica][variable]; a non-finite gradient anywhere skips the step."""
+        if not all(np.isfinite(g).all() for replica in grads for g in replica):
+            return
+        sums = []
+        for slot, (shape, _) in enumerate(SHAPES[:2]):
+            total = np.zeros(int(np.prod(shape)))
+            for replica, replica_grads in enumerate(grads):
+                accumulated = DEFAULT_DECAY * self.momenta[replica][slot] + \
+                    reference_dct(replica_grads[slot].astype(np.float64).reshape(-1), shape)
+                k = round(DENSITY * accumulated.size)
+                top = np.argsort(-np.abs(accumulated))[:k]
+                sent = np.zeros_like(accumulated)
+                sent[top] = accumulated[top]
+                total += sent
+                self.momenta[replica][slot] = accumulated - sent
+            sums.append(total)
+        for w in self.weights:  # AdamW's decoupled decay, before the update
+            w -= LR * WEIGHT_DECAY * w
+        for slot, (shape, _) in enumerate(SHAPES[:2]):
+            self.weights[slot] -= LR * np.sign(reference_idct(sums[slot], shape)).reshape(shape)
+        g = sum(replica[2].astype(np.float64) for replica in grads)
+        self.t += 1
+        self.adam_m += (g - self.adam_m) * 0.1
+        self.adam_v += (g * g - self.adam_v) * 0.001
+        alpha = LR * math.sqrt(1 - 0.999 ** self.t) / (1 - 0.9 ** self.t)
+        self.weights[2] -= alpha * self.adam_m / (np.sqrt(self.adam_v) + 1e-7)
+
+
+def gradients(replicas):
+    rng = np.random.default_rng(5)
+    grads = [[[rng.standard_normal(shape).astype(np.float32) for shape, _ in SHAPES] for _ in range(replicas)]
+             for _ in range(STEPS)]
+    grads[NAN_STEP][replicas - 1][0][3, 3] = np.nan
+    return grads
+
+
+@functools.lru_cache(maxsize=None)
+def strategy_of(replicas):
+    """One strategy per replica count in this process (two of one size would share collective keys)."""
+    return mirrored_strategy(replicas)
+
+
+def run_replicas(replicas, exchange_mode, api="keras"):
+    """(variables after each step as numpy, per-replica momenta after the last step, the optimizer),
+    through the Keras 3 wrapper or tf_keras's."""
+    strategy = strategy_of(replicas)
+    rng = np.random.default_rng(1)
+    start = [rng.standard_normal(shape).astype(np.float32) for shape, _ in SHAPES]
+    options = dict(density=DENSITY, method="exact", min_size=MIN_SIZE, density_warmup_steps=0,
+                   exchange_mode=exchange_mode)
+    with strategy.scope():
+        if api == "keras":
+            variables = [keras.Variable(w) for w in start]
+            optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(LR, weight_decay=WEIGHT_DECAY), **options)
+            apply = lambda grads: optimizer.apply(grads, variables)  # noqa: E731
+        else:
+            variables = [tf.Variable(w) for w in start]
+            optimizer = tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.AdamW(LR, weight_decay=WEIGHT_DECAY),
+                                                       **options)
+            apply = lambda grads: optimizer.apply_gradients(zip(grads, variables))  # noqa: E731
+
+    @tf.function
+    def step(stacked):
+        def replica_fn():
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            apply([tf.gather(g, replica) for g in stacked])
+
+        strategy.run(replica_fn)
+
+    history = []
+    for step_grads in gradients(replicas):
+        step([tf.constant(np.stack([step_grads[r][v] for r in range(replicas)])) for v in range(len(SHAPES))])
+        history.append([np.asarray(v.numpy()) for v in variables])
+    momenta = [[m.numpy() for m in strategy.experimental_local_results(residual)]
+               for residual in optimizer.exchange.memory.residuals]
+    return start, history, momenta, optimizer
+
+
+@pytest.mark.parametrize("replicas,api", [(2, "keras"), (3, "keras"), (2, "tf_keras")])
+def test_replicas_match_numpy_demo_through_a_skipped_step(replicas, api):
+    start, history, momenta, optimizer = run_replicas(replicas, "allgather", api)
+    assert optimizer.decoupled_momentum is True  # chosen by "auto": AdamW at 1/128
+    assert isinstance(optimizer.exchange.memory, DecoupledMomentumMemory)
+    reference = Reference(start, replicas)
+    for s, (step_grads, weights) in enumerate(zip(gradients(replicas), history)):
+        reference.step(step_grads)
+        for v, (ours, theirs) in enumerate(zip(weights, reference.weights)):
+            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5, err_msg=f"step {s}, variable {v}")
+    for slot in range(2):  # each replica keeps its own momentum
+        for replica in range(replicas):
+            np.testing.assert_allclose(momenta[slot][replica].reshape(-1), reference.momenta[replica][slot],
+                                       rtol=1e-4, atol=1e-5)
+        assert not np.allclose(momenta[slot][0], momenta[slot][1])
+    for skipped, before in zip(history[NAN_STEP], history[NAN_STEP - 1]):  # skipped: nothing moved
+        np.testing.assert_array_equal(skipped, before)
+    assert int(optimizer.skipped_steps.numpy()) == 1
+
+
+def test_agreed_indices_move_every_sparsified_entry_by_the_learning_rate():
+    """With agreed indices each replica sends its own values at the leader's: whatever was chosen, every
+    sparsified entry moves by exactly lr (the sign) beyond the decay, and the replicas stay identical."""
+    start, history, _, optimizer = run_replicas(2, "allreduce")
+    before = start
+    for s, weights in enumerate(history):
+        if s == NAN_STEP:
+            np.testing.assert_array_equal(weights[0], before[0])
+            continue
+        for v in range(2):
+            decayed = before[v] * (1 - LR * WEIGHT_DECAY)
+            np.testing.assert_allclose(np.abs(weights[v] - decayed), LR, rtol=1e-3)
+        before = weights
+    assert optimizer.compression_stats()["exchange_mode"] == 2.0  # agreed indices
+
+
+def digits_model(optimizer):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"], jit_compile=False)
+    return model
+
+
+def digits_data(samples=None):
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return (x / 16.0).astype(np.float32)[:samples], y[:samples]
+
+
+def fit_digits(optimizer):
+    x, y = digits_data()
+    return digits_model(optimizer).fit(x, y, batch_size=32, epochs=3, verbose=0).history
+
+
+def test_a_saved_model_resumes_exactly_where_it_stopped(tmp_path):
+    """Two epochs in one go, or one epoch, `model.save`, `load_model`, one more: the same weights and
+    momenta (every replica's own state is saved with the optimizer)."""
+    x, y = digits_data(320)
+
+    def optimizer():
+        return tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.01, density_warmup_steps=0)
+
+    straight = digits_model(optimizer())
+    straight.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    first = digits_model(optimizer())
+    first.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    first.save(tmp_path / "half.keras")
+    resumed = keras.models.load_model(tmp_path / "half.keras")
+    assert resumed.optimizer.decoupled_momentum is True
+    np.testing.assert_array_equal(resumed.optimizer.residuals[0].numpy(), first.optimizer.residuals[0].numpy())
+    resumed.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for ours, theirs in zip(resumed.get_weights(), straight.get_weights()):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(resumed.optimizer.residuals[0].numpy(), straight.optimizer.residuals[0].numpy(),
+                               rtol=1e-5, atol=1e-7)
+
+
+def test_auto_on_adamw_at_a_low_fixed_density_trains_and_says_so(capsys):
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.003), density=0.01)
+    history = fit_digits(optimizer)
+    assert history["accuracy"][-1] > 0.85 and history["loss"][-1] < history["loss"][0]
+    assert isinstance(optimizer.exchange.memory, DecoupledMomentumMemory)
+    assert "tf_topk: decoupled momentum (DeMo)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("inner,options,expected", [
+    (lambda: keras.optimizers.AdamW(1e-3), dict(density=0.01), True),
+    (lambda: keras.optimizers.Adam(1e-3), dict(density=0.001), True),
+    (lambda: keras.optimizers.Adam(1e-3), dict(density=0.001, density_warmup_steps=0), True),
+    (lambda: keras.optimizers.Adam(1e-3), dict(density=0.05), False),  # above DECOUPLED_UP_TO_DENSITY
+    (lambda: keras.optimizers.Adam(1e-3), dict(), False),  # the autopilot chooses the density
+    (lambda: keras.optimizers.Adam(1e-3), dict(density="adaptive"), False),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.9), dict(density=0.01), False),
+    (lambda: keras.optimizers.Adam(1e-3, amsgrad=True), dict(density=0.01), False),
+    (lambda: keras.optimizers.Adam(1e-3, clipnorm=1.0), dict(density=0.01), False),  # kept by plain top-k
+    (lambda: keras.optimizers.Adam(1e-3), dict(density=0.01, momentum_correction=True), False),
+    (lambda: keras.optimizers.Adam(1e-3), dict(density=0.01, error_feedback=False), False),
+    (lambda: keras.optimizers.Adam(1e-3), dict(density=0.01, decoupled_momentum=False), False),
+    (lambda: keras.optimizers.Adam(1e-3), dict(density=0.05, decoupled_momentum=True), True),
+])
+def test_auto_chooses_decoupled_momentum_for_adam_at_a_low_fixed_density(inner, options, expected):
+    assert tf_topk.TopKOptimizer(inner(), **options).decoupled_momentum is expected
+
+
+def test_parts_given_keep_their_method():
+    from tf_topk.selector import RandomKSelector
+
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.Adam(), density=0.01, selector=RandomKSelector())
+    assert optimizer.decoupled_momentum is False
+
+
+@pytest.mark.parametrize("inner,options,message", [
+    (lambda: keras.optimizers.SGD(0.1), dict(density=0.01), "needs a keras.optimizers.Adam or AdamW"),
+    (lambda: keras.optimizers.Adam(amsgrad=True), dict(density=0.01), "amsgrad=False"),
+    (lambda: keras.optimizers.Adam(clipnorm=1.0), dict(density=0.01), "clipnorm=1.0"),
+    (lambda: keras.optimizers.Adam(), dict(density=0.01, momentum_correction=True), "momentum correction"),
+    (lambda: keras.optimizers.Adam(), dict(density="adaptive"), "not an adaptive density"),
+    (lambda: keras.optimizers.Adam(), dict(density=0.01, error_feedback=False), "error_feedback=True"),
+    (lambda: keras.optimizers.Adam(), dict(density=0.01, memory=tf_topk.memory.ErrorFeedbackMemory()),
+     "pass one or the other"),
+])
+def test_decoupled_momentum_refuses_what_it_cannot_honour_by_name(inner, options, message):
+    with pytest.raises(ValueError, match=message):
+        tf_topk.TopKOptimizer(inner(), decoupled_momentum=True, **options)
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="decoupled_momentum must be 'auto', True or False, got 'yes'"):
+        tf_topk.ExchangeConfig(decoupled_momentum="yes")
+    with pytest.raises(ValueError, match="chunk must be an int >= 1, got 0"):
+        DecoupledMomentumMemory(chunk=0)
+    with pytest.raises(ValueError, match=r"momentum must be a float in \(0, 1\), got 1.5"):
+        DecoupledMomentumMemory(decay=1.5)
+
+
+def test_decoupled_momentum_without_a_density_takes_the_fixed_default():
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.Adam(), decoupled_momentum=True)
+    assert optimizer.exchange_config.schedule.settled_density() == tf_topk.config.FIXED_DEFAULT_DENSITY
+
+
+def test_an_exchange_alone_takes_auto_as_plain_error_feedback():
+    variable = tf.Variable(tf.zeros([64, 64]))
+    exchange = tf_topk.SparseExchange([variable], density=0.01, density_warmup_steps=0)
+    assert type(exchange.memory) is tf_topk.memory.ErrorFeedbackMemory
+    exchange = tf_topk.SparseExchange([variable], density=0.01, density_warmup_steps=0, decoupled_momentum=True)
+    assert isinstance(exchange.memory, DecoupledMomentumMemory) and exchange.memory.applies_update
+
+
+def test_a_config_written_before_the_option_loads_as_the_method_it_ran():
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3), density=0.01)
+    written = optimizer.get_config()
+    assert written["decoupled_momentum"] is True
+    assert tf_topk.TopKOptimizer.from_config(written).decoupled_momentum is True
+    del written["decoupled_momentum"]
+    assert tf_topk.TopKOptimizer.from_config(written).decoupled_momentum is False
