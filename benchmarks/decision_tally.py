@@ -12,6 +12,7 @@ import argparse
 import collections
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -61,9 +62,13 @@ def main(argv=None):
             proc = subprocess.run([sys.executable, "-m", "tf_topk.launch", "--workers", "2", "--timeout", "540",
                                    "--chief-only", "--no-prefix", *script], cwd=REPO, capture_output=True, text=True,
                                   timeout=600,
-                                  env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
-            lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("tf_topk autopilot:")]
+                                  env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "TF_TOPK_VERBOSE": "1"})
+            output = proc.stdout + proc.stderr
+            lines = [line for line in output.splitlines() if line.startswith("tf_topk autopilot:")]
             line = lines[0] if lines else f"no decision line (exit {proc.returncode})"
+            rounds = re.search(r"; (\d+) rounds\)", output)  # the calibration's line (TF_TOPK_VERBOSE=1)
+            if rounds:
+                line += f" [trial of {rounds.group(1)} rounds]"
             decisions[line.split(":", 2)[1].split(",")[0].strip() if lines else "failed"] += 1  # the route
             print(f"run {run}: {line}", flush=True)
     finally:

@@ -223,6 +223,64 @@ def test_the_trial_takes_as_many_rounds_as_fit_its_third_of_the_budget():
     assert trial_rounds(1 / 6, 3.0) == 5 and trial_rounds(0.17, 3.0) == 4  # 4: no trial
 
 
+def _scripted_trial(monkeypatch, ratios, decide_at):
+    """`_time_steps` of a close call (the line predicts both steps 1 ms) on two replicas whose every
+    round's dense call takes 1 s and sparse call 1 / ratio s, one set of rounds for each entry of
+    `ratios`; returns the Calibration and the `warm_up` of each set timed."""
+    from tf_topk import calibrate
+
+    class Line:
+        replicas = 2
+
+        def route_time(self, route, k, entries, small_entries=0):
+            return 1e-3
+
+    sets, warm_ups = iter(ratios), []
+
+    def interleaved(functions, repeats, within_s=None, warm_up=True):
+        warm_ups.append(warm_up)
+        ratio = next(sets)
+        return [[1.0] * repeats, [1.0 / ratio] * repeats]
+
+    monkeypatch.setattr(calibrate, "_interleaved_times", interleaved)
+    monkeypatch.setattr(calibrate, "slowest", lambda strategy, values: list(values))
+    monkeypatch.setattr(calibrate, "_collective", lambda strategy, kind: None)
+    monkeypatch.setattr(calibrate, "_of_size", lambda function, size: None)
+    monkeypatch.setattr(calibrate, "_sparse_inputs", lambda entries, small_entries: None)
+    monkeypatch.setattr(calibrate, "_sparse_step", lambda *args: None)
+    found = calibrate._time_steps(None, Line(), 100_000, 0, 0.003, None, 1.0, 3.0, decide_at)
+    return found, warm_ups
+
+
+def test_a_trial_close_to_the_threshold_times_its_rounds_again_and_pools_them(monkeypatch):
+    """Where the first rounds put the ratio within CLOSE_TRIAL_BAND (1.25x) of `decide_at`, as many
+    rounds again (no second trace), and the medians read from all of them: the wide MLP's trial, sparse
+    about 1.75x as fast against the 1.5x asked, read 1.47x-2.02x in ten runs under load with one set."""
+    from tf_topk.calibrate import CLOSE_TRIAL_BAND, is_close_trial
+
+    assert CLOSE_TRIAL_BAND == 1.25
+    assert is_close_trial(1.45, 1.5) and is_close_trial(1.85, 1.5) and is_close_trial(1.21, 1.5)
+    assert not is_close_trial(1.9, 1.5) and not is_close_trial(1.19, 1.5) and not is_close_trial(3.0, 1.5)
+
+    found, warm_ups = _scripted_trial(monkeypatch, [1.45, 1.8], decide_at=1.5)
+    assert warm_ups == [True, False] and found.trial_rounds == 30  # 15 rounds fit, twice
+    # 15 rounds at 1.45x and 15 at 1.8x: the pooled median ratio lies between them (statistics.median of 30)
+    assert found.dense_s / found.sparse_s == pytest.approx((1.45 + 1.8) / 2)
+
+    found, warm_ups = _scripted_trial(monkeypatch, [3.0], decide_at=1.5)  # far from the threshold: one set
+    assert warm_ups == [True] and found.trial_rounds == 15 and found.dense_s / found.sparse_s == pytest.approx(3.0)
+    found, warm_ups = _scripted_trial(monkeypatch, [1.45], decide_at=None)  # no threshold told: one set
+    assert warm_ups == [True] and found.trial_rounds == 15
+
+
+def test_decide_at_must_be_a_positive_number():
+    from tf_topk import calibrate
+
+    for bad in (0, -1.5, True, "1.5", float("inf"), float("nan")):
+        with pytest.raises(ValueError, match=r"decide_at must be None or a number > 0, got "):
+            calibrate.calibrate(entries=10, decide_at=bad)
+
+
 def test_densifying_is_never_read_as_free():
     """A bucket of the demo's size (49,152 entries) read 0 us per M pairs with 4,096 timed pairs (a scatter
     of none took longer); with 65,536 pairs, or the whole scatter as the stated fallback, a pair costs."""

@@ -322,7 +322,8 @@ def measure(strategy, entries, small_entries=0, budget_s=2.0):
 
     return calibrate(strategy, entries=max(1, entries), budget_s=budget_s, small_entries=small_entries,
                      trial_density=TYPICAL_DENSITY, trial_max_density=MAX_DENSITY,
-                     profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth)
+                     profile_density=AdaptiveDensity(MIN_DENSITY, MAX_DENSITY).profile_depth,
+                     decide_at=SPARSE_MUST_WIN_BY)
 
 
 def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0):

@@ -83,6 +83,12 @@ COMPUTE_SHARE = 1 / 6
 # against the 1.5x the autopilot asks). The count comes from agreed values: every worker runs as many.
 TRIAL_REPEATS = 5
 TRIAL_MAX_ROUNDS = 15
+# Where the trial's rounds put the dense step's time within this factor (either way) of `decide_at`
+# times the sparse one's, the trial times as many rounds again and reads the pooled rounds: the
+# ratio that decides scatters less exactly where its scatter would flip the decision (the wide MLP,
+# sparse about 1.75x as fast against the autopilot's 1.5x, read 1.47x-2.02x in ten runs of up to 15
+# rounds under load, and went dense once). Such a close call costs one more third of the budget.
+CLOSE_TRIAL_BAND = 1.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +105,8 @@ class Calibration:
     pairs (None when not measured); seconds: the calibration's own wall time;
     refit_from_s: where the timed dense all-reduce contradicted the line
     (CONTRADICTED), what the line had predicted for it (the links were then
-    refit through the timed point), else None; phases: this worker's
+    refit through the timed point), else None; trial_rounds: the rounds the
+    trial's medians pooled (None without a trial); phases: this worker's
     seconds in each part ("all_reduce", "all_gather": their sizes;
     "compute"; "agree"; "steps": the trial or the dense all-reduce;
     "collect": freeing what it made), where `seconds` goes.
@@ -118,6 +125,7 @@ class Calibration:
     trial_max_k: int = None
     refit_from_s: float = None
     phases: dict = None
+    trial_rounds: int = None
 
     def trial(self):
         """(dense_s, sparse_s) where both steps were timed whole, else None."""
@@ -140,14 +148,15 @@ class Calibration:
                       f"more than {CONTRADICTED:g}x off]")
         sparse = "" if self.sparse_s is None else (
             f", top-{self.trial_k:,} step by all_gather {self.sparse_s * 1e3:,.1f} ms "
-            f"(predicted {self.sparse_predicted_s * 1e3:,.1f} ms)")
+            f"(predicted {self.sparse_predicted_s * 1e3:,.1f} ms"
+            f"{'' if self.trial_rounds is None else f'; {self.trial_rounds} rounds'})")
         if self.sparse_max_s is not None:
             sparse += f", top-{self.trial_max_k:,} {self.sparse_max_s * 1e3:,.1f} ms"
         return f"calibration ({self.seconds:.2f} s): {self.model.describe()}{dense}{sparse}"
 
 
 def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_density=None,
-              trial_max_density=None, profile_density=1.0):
+              trial_max_density=None, profile_density=1.0, decide_at=None):
     """Measure the collectives and the selection under `strategy` (default:
     the current one) and return a Calibration. Call it in the cross-replica
     context (outside `strategy.run`), on every worker at the same point.
@@ -160,7 +169,8 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
       left; a size whose predicted time would overrun is not timed), the
       compute's timing at most COMPUTE_SHARE, then the whole steps (the trial,
       or the dense all-reduce alone) at most a third, set aside for them
-      whatever the parts before took (at most 7/6 of budget_s in all); the one
+      whatever the parts before took (at most 7/6 of budget_s in all; 3/2
+      where a close trial times its rounds twice, `decide_at`); the one
       trace per function comes on top.
     small_entries: float32 entries of the dense path beside `entries` (small
       variables): in the dense all-reduce, and carried by the trial's all_gather.
@@ -171,6 +181,10 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     profile_density: how deep the trial's selection profiles the magnitudes,
       as the exchange would: a float, or a function of the timed step's
       density (an adaptive density's `profile_depth`).
+    decide_at: the ratio of the dense step's time to the sparse one's at
+      which the caller will decide (the autopilot's SPARSE_MUST_WIN_BY);
+      a trial whose ratio lands within CLOSE_TRIAL_BAND of it times as many
+      rounds again and reports the pooled medians. None: one set of rounds.
 
     Memory: at its peak (the trial) at most 7 times the float32 gradient of
     `entries` per replica, about what one exchange step holds; nothing once
@@ -185,13 +199,16 @@ def calibrate(strategy=None, entries=None, budget_s=2.0, small_entries=0, trial_
     for name, value in (("trial_density", trial_density), ("trial_max_density", trial_max_density)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
             raise ValueError(f"{name} must be None or a float in (0, 1], got {value!r}")
+    if decide_at is not None and (isinstance(decide_at, bool) or not isinstance(decide_at, (int, float))
+                                  or not 0 < decide_at < math.inf):
+        raise ValueError(f"decide_at must be None or a number > 0, got {decide_at!r}")
     if trial_max_density is not None and (trial_density is None or trial_max_density <= trial_density):
         raise ValueError(f"trial_max_density ({trial_max_density!r}) needs a trial_density below it, "
                          f"got {trial_density!r}")
     start = time.perf_counter()
     with _collected_on_return() as phases:
         found = _calibrate(strategy or tf.distribute.get_strategy(), entries, budget_s, small_entries, trial_density,
-                           trial_max_density, profile_density, phases)
+                           trial_max_density, profile_density, decide_at, phases)
     return dataclasses.replace(found, seconds=time.perf_counter() - start, phases=phases)
 
 
@@ -219,7 +236,8 @@ def _collected_on_return():
             gc.unfreeze()
 
 
-def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_max_density, profile_density, phases):
+def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_max_density, profile_density,
+               decide_at, phases):
     """`calibrate`'s work (its `seconds` set by the caller), each part's seconds into `phases`."""
     replicas = strategy.num_replicas_in_sync
     largest = entries or (1 << 22)
@@ -251,7 +269,7 @@ def _calibrate(strategy, entries, budget_s, small_entries, trial_density, trial_
     if entries is None:
         return Calibration(model, points, entries, None, None, 0.0)
     found = timed("steps", _time_steps, strategy, model, entries, small_entries, trial_density, trial_max_density,
-                  profile_density, budget_s)
+                  profile_density, budget_s, decide_at)
     return dataclasses.replace(refit_where_contradicted(found, small_entries), points=points)
 
 
@@ -283,7 +301,7 @@ def refit_where_contradicted(found, small_entries=0):
 
 
 def _time_steps(strategy, model, entries, small_entries, trial_density, trial_max_density, profile_density,
-                budget_s):
+                budget_s, decide_at=None):
     """A Calibration of `model` with the whole steps timed (no points, seconds 0): the
     trial where the call is close, else the dense all-reduce alone, where its
     calls fit the third of the budget set aside for the steps. Every branch is
@@ -292,7 +310,7 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
     replicas = model.replicas
     dense_predicted_s = model.route_time("dense", 0, entries, small_entries)
     dense_step = _of_size(_collective(strategy, "all_reduce"), entries + small_entries)
-    dense_s = sparse_s = sparse_predicted_s = k = sparse_max_s = k_max = None
+    dense_s = sparse_s = sparse_predicted_s = k = sparse_max_s = k_max = pooled = None
     predicted_max_s = 0.0
     if trial_density is not None:
         k = max(1, min(entries, math.ceil(trial_density * entries)))
@@ -314,12 +332,26 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
         steps = [dense_step, _sparse_step(strategy, inputs, k, depth(k / entries))]
         if k_max is not None and k_max > k:
             steps.append(_sparse_step(strategy, inputs, k_max, depth(k_max / entries)))
-        dense_s, sparse_s, *more = slowest(strategy, paired_with_the_first(steps, rounds))
+        times = _interleaved_times(steps, rounds)
+        timed = slowest(strategy, paired_medians(times))  # agreed: every worker takes the same branch
+        if decide_at is not None and is_close_trial(timed[0] / timed[1], decide_at):
+            more = _interleaved_times(steps, rounds, warm_up=False)
+            times = [first + again for first, again in zip(times, more)]
+            timed = slowest(strategy, paired_medians(times))
+        dense_s, sparse_s, *more = timed
         sparse_max_s = more[0] if more else None
+        pooled = len(times[0])
     elif replicas > 1 and 2 * dense_predicted_s <= budget_s / 3:
         dense_s = _dense_all_reduce_within(strategy, dense_step, budget_s / 3)
     return Calibration(model, {}, entries, dense_s, dense_predicted_s, 0.0, sparse_s, sparse_predicted_s, k,
-                       sparse_max_s, k_max if sparse_max_s is not None else None)
+                       sparse_max_s, k_max if sparse_max_s is not None else None, trial_rounds=pooled)
+
+
+def is_close_trial(ratio, decide_at):
+    """Whether a trial's ratio (dense step / sparse step) lies within
+    CLOSE_TRIAL_BAND of `decide_at`, either way: close enough that its
+    scatter could flip the decision, so the trial times more rounds."""
+    return decide_at / CLOSE_TRIAL_BAND < ratio < decide_at * CLOSE_TRIAL_BAND
 
 
 def trial_rounds(round_s, budget_s):
@@ -424,7 +456,13 @@ def paired_with_the_first(functions, repeats):
     calls of it and drops out of their ratio; separate medians let such bursts
     decide a close trial (the digits MLP's sparse step read 0.93x to 2.19x as fast
     as the dense one in ten runs of one script on an idle machine)."""
-    first, *others = _interleaved_times(functions, repeats)
+    return paired_medians(_interleaved_times(functions, repeats))
+
+
+def paired_medians(times):
+    """`paired_with_the_first`'s medians of rounds already timed: `times`
+    holds each function's seconds, one per round, in the rounds' order."""
+    first, *others = times
     median = statistics.median(first)
     return [median, *(median / statistics.median(a / b for a, b in zip(first, other)) for other in others)]
 
@@ -440,14 +478,15 @@ def median_difference(function, baseline, repeats, within_s=None):
     return statistics.median(a - b for a, b in zip(first, second))
 
 
-def _interleaved_times(functions, repeats, within_s=None):
+def _interleaved_times(functions, repeats, within_s=None, warm_up=True):
     """Seconds of each call of each function, `repeats` rounds in turn, after
-    one call of each that traces. With `within_s`, the rounds stop early where
+    one call of each that traces (none where `warm_up` is False: traced
+    already). With `within_s`, the rounds stop early where
     the next would end past `within_s` from the first call (as long as the
     last round took): at least one round. The rounds are this worker's own:
     nothing here pairs up with the other workers."""
     began = time.perf_counter()
-    for function in functions:
+    for function in functions if warm_up else ():
         _block(function())
     times = [[] for _ in functions]
     for done in range(repeats):
