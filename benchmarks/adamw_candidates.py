@@ -113,7 +113,7 @@ def make_builder(variant, density):
         from tf_topk.bench import convergence
         from tf_topk.decoupled_momentum import DecoupledMomentumMemory
 
-        inner = convergence.make_inner(keras, args)
+        inner = convergence.make_inner(keras, args, args.steps)
         if name == "dense":
             return inner
         warm = options.get("warm", "auto")

@@ -319,6 +319,10 @@ def test_the_test_at_each_epochs_end_scores_as_keras_evaluate_does():
     (("--density-warmup-steps", "-5"), r"--density-warmup-steps: must be 'auto' or an integer >= 0, got '-5'"),
     (("--density-warmup-steps", "many"), r"--density-warmup-steps: must be 'auto' or an integer >= 0, got 'many'"),
     (("--density-warmup-steps", "100", "--warmup-epochs", "4"), "--density-warmup-steps warms up a fixed density"),
+    (("--dataset", "colors", "--model", "mlp"), "--dataset colors has one model, cnn_rgb, got --model mlp"),
+    (("--model", "gru"), "--model gru is --dataset sequences's, got --dataset digits"),
+    (("--schedule", "linear"), "argument --schedule: invalid choice: 'linear'"),
+    (("--methods", "topk_ef,magic"), "methods must be among topk_ef,topk_mc,topk_noef,randk_ef,demo, got 'topk_ef,magic'"),
 ])
 def test_bad_arguments_are_refused_before_training(args, message, capsys):
     """convergence.main, as the command line calls it: argparse's exit 2 and the message, no output."""
@@ -370,3 +374,20 @@ def test_time_to_accuracy_charges_each_step_its_predicted_exchange(tmp_path, cap
     if reached["autopilot"] is not None and reached["topk_ef:0.001"] is not None:
         assert links["100mbit"]["autopilot_vs_best_fixed"] == pytest.approx(
             reached["autopilot"] / reached["topk_ef:0.001"], abs=1e-3)
+
+
+def test_a_cosine_schedule_decays_the_inner_rate_to_zero_over_the_runs_steps():
+    import keras
+
+    from tf_topk.bench import convergence
+
+    args = convergence.parse_args(["--dataset", "sequences", "--schedule", "cosine", "--learning-rate", "0.1"])
+    assert args.model == "gru" and convergence.optimizer_name(args) == "SGD(learning_rate=CosineDecay(0.1), momentum=0.9)"
+    inner = convergence.make_inner(keras, args, steps=1000)
+    schedule = inner._learning_rate
+    assert isinstance(schedule, keras.optimizers.schedules.CosineDecay)
+    assert float(schedule(0)) == pytest.approx(0.1) and float(schedule(500)) == pytest.approx(0.05)
+    assert float(schedule(1000)) == pytest.approx(0.0, abs=1e-7)
+    with pytest.raises(ValueError, match="--schedule cosine needs the run's steps"):
+        convergence.make_inner(keras, args)
+    assert float(convergence.make_inner(keras, convergence.parse_args([])).learning_rate) == pytest.approx(0.05)

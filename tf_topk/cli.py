@@ -31,6 +31,17 @@ def densities(text):
     return values
 
 
+def names_among(what, choices):
+    """An argparse type: comma-separated names, each one of `choices` (`what` names them in the error)."""
+    def parse(text):
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if not values or any(v not in choices for v in values):
+            raise argparse.ArgumentTypeError(f"{what} must be among {','.join(choices)}, got {text!r}")
+        return values
+
+    return parse
+
+
 def density_warmup_steps(text):
     """`density_warmup_steps`: "auto" (the library's default) or an integer >= 0."""
     if text == "auto":

@@ -9,6 +9,7 @@ SUBCOMMANDS = {
     "select": ("tf_topk.bench.select", "the selection op against tf.math.top_k and one read pass, with its recall"),
     "e2e": ("tf_topk.bench.e2e", "step time and bytes of real workers on rate-limited links (network namespaces)"),
     "convergence": ("tf_topk.bench.convergence", "accuracy or loss against dense training, per method and density"),
+    "suite": ("tf_topk.bench.suite", "the default against dense on the development and the validation tasks, paired"),
     "scale": ("tf_topk.bench.scale", "bytes per worker as the number of workers grows, per exchange mode"),
     "overhead": ("tf_topk.bench.overhead", "what the exchange costs beyond the selection (fused op, collectives)"),
     "advise": ("tf_topk.bench.advise", "predicted step time of every route and density, and the autopilot's choice"),

@@ -75,9 +75,14 @@ import time
 import numpy as np
 
 from tf_topk.bench import text, time_to_accuracy
-from tf_topk.bench.data import load_data
+from tf_topk.bench.data import VALIDATION_DATASETS, load_data
 from tf_topk import cli
 
+# Each generated task's model (`make_model`'s kind) where --model is not given; the validation tasks'
+# is their only one.
+DATASET_MODELS = {"shapes": "cnn", "signals": "cnn1d", "colors": "cnn_rgb", "sequences": "gru",
+                  "ratings": "embedding"}
+MODELS_OF = {model: dataset for dataset, model in DATASET_MODELS.items()}
 METHODS = ("topk_ef", "topk_mc", "topk_noef", "randk_ef", "demo")
 DEFAULT_METHODS = ("topk_ef", "topk_noef", "randk_ef")
 LABELS = {"dense": "dense", "topk_ef": "top-k + EF", "topk_mc": "top-k + EF + MC", "topk_noef": "top-k, no EF",
@@ -102,10 +107,30 @@ def random_k_optimizer(inner, **options):
 # -- data and model ---------------------------------------------------------------------------
 
 def make_model(keras, inputs, hidden, classes, kind="mlp"):
-    """An MLP with `hidden` widths, the small CNN for square images (`kind="cnn"`), or the 1-D CNN
-    for sequences (`kind="cnn1d"`: conv 32-64-64, kernels of 5, then dense 256)."""
+    """An MLP with `hidden` widths, the small CNN for square images (`kind="cnn"`; `"cnn_rgb"`: the
+    same on three channels), the 1-D CNN for sequences (`kind="cnn1d"`: conv 32-64-64, kernels of 5,
+    then dense 256), a recurrent classifier of token ids (`kind="gru"`: embedding 16, GRU 96) or an
+    embedding model of (user, item) ids (`kind="embedding"`: two tables of 32, dense 64)."""
+    if kind == "embedding":
+        from tf_topk.bench.data import RATINGS_ITEMS, RATINGS_USERS
+
+        ids = keras.Input((2,))
+        user = keras.layers.Embedding(RATINGS_USERS, 32)(ids[:, 0])
+        item = keras.layers.Embedding(RATINGS_ITEMS, 32)(ids[:, 1])
+        features = keras.layers.Dense(64, activation="relu")(keras.layers.Concatenate()([user, item, user * item]))
+        return keras.Model(ids, keras.layers.Dense(classes)(features))
     layers = [keras.Input((inputs,))]
-    if kind == "cnn1d":
+    if kind == "gru":
+        from tf_topk.bench.data import SEQUENCE_TOKENS
+
+        layers += [keras.layers.Embedding(SEQUENCE_TOKENS, 16), keras.layers.GRU(96)]
+    elif kind == "cnn_rgb":
+        side = int(round((inputs / 3) ** 0.5))
+        layers += [keras.layers.Reshape((side, side, 3)),
+                   keras.layers.Conv2D(16, 3, activation="relu", padding="same"), keras.layers.MaxPooling2D(),
+                   keras.layers.Conv2D(32, 3, activation="relu", padding="same"), keras.layers.MaxPooling2D(),
+                   keras.layers.Flatten(), keras.layers.Dense(64, activation="relu")]
+    elif kind == "cnn1d":
         layers.append(keras.layers.Reshape((inputs, 1)))
         for filters in (32, 64, 64):
             layers += [keras.layers.Conv1D(filters, 5, activation="relu", padding="same"),
@@ -130,30 +155,45 @@ def model_name(args, inputs):
         return "CNN conv16-conv32-64-10"
     if args.model == "cnn1d":
         return "1-D CNN conv32-conv64-conv64-256-10"
+    if args.model == "cnn_rgb":
+        return "CNN on RGB conv16-conv32-64-20"
+    if args.model == "gru":
+        return "GRU embedding16-gru96-8"
+    if args.model == "embedding":
+        return "embeddings user32+item32-64-5"
     return f"MLP {inputs}-" + "-".join(map(str, args.hidden)) + "-10"
 
 
-def make_inner(keras, args):
+def make_inner(keras, args, steps=None):
+    """The inner optimizer; with `--schedule cosine`, its learning rate decays to 0 over `steps` (the
+    run's optimizer steps) by Keras's CosineDecay."""
+    rate = args.learning_rate
+    if getattr(args, "schedule", "constant") == "cosine":
+        if not steps:
+            raise ValueError("--schedule cosine needs the run's steps")
+        rate = keras.optimizers.schedules.CosineDecay(args.learning_rate, decay_steps=steps)
     if args.optimizer == "adam":
-        return keras.optimizers.Adam(args.learning_rate)
+        return keras.optimizers.Adam(rate)
     if args.optimizer == "adamw":
-        return keras.optimizers.AdamW(args.learning_rate, weight_decay=args.weight_decay)
-    return keras.optimizers.SGD(args.learning_rate, momentum=args.momentum, nesterov=args.nesterov)
+        return keras.optimizers.AdamW(rate, weight_decay=args.weight_decay)
+    return keras.optimizers.SGD(rate, momentum=args.momentum, nesterov=args.nesterov)
 
 
 def optimizer_name(args):
+    rate = f"CosineDecay({args.learning_rate})" if getattr(args, "schedule", "constant") == "cosine" else \
+        f"{args.learning_rate}"
     if args.optimizer == "adam":
-        return f"Adam(learning_rate={args.learning_rate})"
+        return f"Adam(learning_rate={rate})"
     if args.optimizer == "adamw":
-        return f"AdamW(learning_rate={args.learning_rate}, weight_decay={args.weight_decay})"
-    return f"SGD(learning_rate={args.learning_rate}, momentum={args.momentum}" + \
-        (", nesterov=True)" if args.nesterov else ")")
+        return f"AdamW(learning_rate={rate}, weight_decay={args.weight_decay})"
+    return f"SGD(learning_rate={rate}, momentum={args.momentum}" + (", nesterov=True)" if args.nesterov else ")")
 
 
 def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries=None):
     import tf_topk
 
-    inner = make_inner(keras, args)
+    cosine = getattr(args, "schedule", "constant") == "cosine"
+    inner = make_inner(keras, args, steps_per_epoch * args.epochs if cosine else None)
     if method == "dense":
         return inner
     common = dict(method=args.method, min_size=args.min_size, exchange_mode=args.exchange_mode,
@@ -668,14 +708,6 @@ def evaluation_interval(steps, points=16):
     return min((d for d in range(1, steps + 1) if steps % d == 0), key=lambda d: abs(steps // d - points))
 
 
-def _methods(text):
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    bad = [v for v in values if v not in METHODS]
-    if not values or bad:
-        raise argparse.ArgumentTypeError(f"methods must be among {','.join(METHODS)}, got {text!r}")
-    return values
-
-
 def _links(text):
     from tf_topk.bench.netns import parse_rate
 
@@ -694,16 +726,19 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m tf_topk.bench convergence", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset", choices=("digits", "synthetic", "shapes", "signals", *text.LANGUAGE_DATASETS),
+    parser.add_argument("--dataset", choices=("digits", "synthetic", "shapes", "signals", *VALIDATION_DATASETS,
+                                              *text.LANGUAGE_DATASETS),
                         default="digits",
-                        help="shapes: 16x16 images, signals: 1-D waveforms (both generated); text: next-byte "
+                        help="shapes: 16x16 images, signals: 1-D waveforms (both generated); colors, sequences, "
+                             "ratings: the task suite's validation half (generated; tf_topk.bench.data); text: next-byte "
                              "prediction on the Python standard library's source; prose: on the English docstrings "
                              "of numpy and scikit-learn (to confirm on, not to tune on)")
-    parser.add_argument("--model", choices=("mlp", "cnn", "cnn1d", "transformer"), default=None,
-                        help="default: cnn for shapes, cnn1d for signals, transformer for text and prose (the only "
-                             "model for them), mlp otherwise")
+    parser.add_argument("--model", choices=(*MODELS_OF, "mlp", "transformer"), default=None,
+                        help="default: cnn for shapes, cnn1d for signals, cnn_rgb for colors, gru for sequences, "
+                             "embedding for ratings (the only model for those three), transformer for text and "
+                             "prose (the only model for them), mlp otherwise")
     parser.add_argument("--densities", type=cli.densities, default=[0.1, 0.01, 0.001])
-    parser.add_argument("--methods", type=_methods, default=list(DEFAULT_METHODS),
+    parser.add_argument("--methods", type=cli.names_among("methods", METHODS), default=list(DEFAULT_METHODS),
                         help=f"comma-separated, among {','.join(METHODS)} (dense always runs)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=None, help="default 30 (not with --dataset text or prose)")
@@ -722,6 +757,8 @@ def parse_args(argv=None):
                         help="the inner optimizer (default: adamw for text, sgd otherwise)")
     parser.add_argument("--learning-rate", type=float, default=None,
                         help="default: 0.05 for sgd, 0.001 for adam and adamw")
+    parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
+                        help="the learning rate: constant (default), or cosine decay to 0 over the run's steps")
     parser.add_argument("--weight-decay", type=float, default=None, help="AdamW's weight decay (default 0.01)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
@@ -826,7 +863,11 @@ def parse_args(argv=None):
                      "pass one of them")
     if args.model is None:
         args.model = "transformer" if args.dataset in text.LANGUAGE_DATASETS else \
-            {"shapes": "cnn", "signals": "cnn1d"}.get(args.dataset, "mlp")
+            DATASET_MODELS.get(args.dataset, "mlp")
+    if args.dataset in VALIDATION_DATASETS and args.model != DATASET_MODELS[args.dataset]:
+        parser.error(f"--dataset {args.dataset} has one model, {DATASET_MODELS[args.dataset]}, got --model {args.model}")
+    if args.model in ("cnn_rgb", "gru", "embedding") and DATASET_MODELS.get(args.dataset) != args.model:
+        parser.error(f"--model {args.model} is --dataset {MODELS_OF[args.model]}'s, got --dataset {args.dataset}")
     if (args.model == "transformer") != (args.dataset in text.LANGUAGE_DATASETS):
         parser.error(f"--model transformer goes with --dataset text or prose and only with them, "
                      f"got --model {args.model} --dataset {args.dataset}")

@@ -1,0 +1,84 @@
+"""`python -m tf_topk.bench suite`: the task suite's halves, its paired intervals, its table, a run
+that resumes from its file, and the arguments it refuses."""
+
+import json
+import subprocess
+
+import pytest
+
+from multiworker import PYTHON, REPO_ROOT, subprocess_env
+from tf_topk.bench import suite
+
+
+def test_the_halves_hold_the_development_tasks_and_the_generated_validation_tasks():
+    halves = {half: [name for name, task in suite.TASKS.items() if task.half == half] for half in suite.HALVES}
+    assert halves == {"development": ["digits", "synthetic", "shapes", "signals"],
+                      "validation": ["colors", "sequences", "ratings"]}
+    for name in suite.TASKS:  # each task's recipe is a valid convergence command line
+        args = suite.task_args(name)
+        assert args.dataset == name and args.optimizer == "sgd" and args.momentum == 0.9
+    assert suite.task_args("ratings").epochs == 15 and suite.task_args("ratings", epochs=2).epochs == 2
+
+
+def test_the_paired_interval_is_students_t():
+    mean, low, high = suite.paired_interval([1.0, 2.0, 3.0, 4.0])
+    # mean 2.5, standard error 0.6455, t(0.975, 3) = 3.1824
+    assert mean == 2.5 and low == pytest.approx(2.5 - 3.1824 * 0.6455, abs=1e-3) and high == pytest.approx(
+        2.5 + 3.1824 * 0.6455, abs=1e-3)
+    mean, low, high = suite.paired_interval([0.7])
+    assert mean == 0.7 and low != low and high != high  # nan: one seed has no interval
+
+
+def test_the_table_pairs_by_seed_and_says_which_means_are_within_the_margin():
+    records = [{"task": "colors", "config": "dense", "density": None, "seed": s, "test_accuracy": a}
+               for s, a in enumerate([0.80, 0.82, 0.78])]
+    records += [{"task": "colors", "config": "default", "density": 0.01, "seed": s, "test_accuracy": a}
+                for s, a in enumerate([0.79, 0.82, 0.78])]  # -1, 0, 0 points
+    records += [{"task": "colors", "config": "default", "density": 0.001, "seed": s, "test_accuracy": a}
+                for s, a in [(0, 0.75), (2, 0.70)]]  # -5 and -8 points; seed 1 not run
+    rows = suite.summarize(records, ["colors", "ratings"], [0.01, 0.001])
+    colors, ratings = rows
+    assert colors[0] == "colors" and colors[1] == pytest.approx(80.0) and colors[3] == 3
+    assert colors[4][0.01][0] == pytest.approx(-1 / 3) and colors[4][0.001][0] == pytest.approx(-6.5)
+    assert ratings[3] == 0 and ratings[4][0.01] is None
+    table = suite.format_table(rows, [0.01, 0.001])
+    colors_line = next(line for line in table.splitlines() if line.startswith("colors"))
+    assert " -0.33 (" in colors_line and colors_line.count("within") == 1 and colors_line.endswith("BELOW")
+    assert "not run" in next(line for line in table.splitlines() if line.startswith("ratings"))
+
+
+def _suite(argv, **kw):
+    return subprocess.run([*PYTHON, "-m", "tf_topk.bench", "suite", *argv], cwd=REPO_ROOT, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=400, **kw)
+
+
+@pytest.mark.slow
+def test_a_suite_run_appends_each_run_and_resumes_without_training_them_again(tmp_path):
+    out = tmp_path / "runs.jsonl"
+    argv = ["--tasks", "ratings", "--seeds", "2", "--epochs", "1", "--densities", "0.01", "--out", str(out)]
+    proc = _suite(argv[:3] + ["1"] + argv[4:])  # one seed first, as if stopped there
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(out.read_text().splitlines()) == 2
+    proc = _suite(argv + ["--json"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["config"], r["seed"]) for r in records] == [("dense", 0), ("default", 0), ("dense", 1), ("default", 1)]
+    assert proc.stderr.count("[suite] ratings seed") == 2  # seed 1's two runs only
+    assert all(r["half"] == "validation" and r["epochs"] == 1 and 0.0 < r["test_accuracy"] <= 1.0 for r in records)
+    assert records[1]["sent_density"] > 0.01  # one epoch of 300 steps lies inside the library's warm-up
+    row, = json.loads(proc.stdout)["rows"]
+    assert row["task"] == "ratings" and row["seeds"] == 2 and row["default"]["0.01"]["low"] < row["default"]["0.01"]["high"]
+    proc = _suite(["--tasks", "ratings", "--seeds", "2", "--densities", "0.01", "--out", str(out), "--table-only"])
+    assert proc.returncode == 0 and "[suite] ratings seed" not in proc.stderr and "ratings    validation" in proc.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "give --half development|validation or --tasks"),
+    (["--half", "validation", "--tasks", "colors"], "give --half development|validation or --tasks"),
+    (["--tasks", "colors,imagenet"], "tasks must be among digits,synthetic"),
+    (["--half", "validation", "--seeds", "0"], "--seeds must be >= 1, got 0"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        suite.parse_args(argv)
+    assert message in capsys.readouterr().err
