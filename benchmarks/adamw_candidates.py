@@ -34,6 +34,7 @@ import time
 import tensorflow as tf
 
 import tf_topk.selector
+from tf_topk.bench.suite import paired_interval
 
 class ChunkTopKSelector(tf_topk.selector.Selector):
     """The largest magnitudes of each fixed-size chunk of the flat tensor, k / chunks of them per chunk
@@ -160,17 +161,6 @@ def run(variant, density, seeds, argv):
                           "seconds": round(time.monotonic() - started, 1)}), flush=True)
 
 
-def t_interval(differences):
-    """(mean, low, high): the 95% t-interval of the mean of paired differences."""
-    from scipy import stats
-
-    mean = statistics.fmean(differences)
-    if len(differences) < 2:
-        return mean, math.nan, math.nan
-    half = stats.t.ppf(0.975, len(differences) - 1) * statistics.stdev(differences) / math.sqrt(len(differences))
-    return mean, mean - half, mean + half
-
-
 def summarize(lines):
     """Rows (dataset, steps, replicas, variant, density, seeds, dense mean, mean difference, low, high)."""
     runs = [json.loads(line) for line in lines if line.strip()]
@@ -187,7 +177,7 @@ def summarize(lines):
         if not paired:
             continue
         differences = [finals[seed] - dense[(dataset, steps, 1, seed)] for seed in paired]
-        mean, low, high = t_interval(differences)
+        mean, low, high = paired_interval(differences)
         rows.append((dataset, steps, replicas, variant, density, paired,
                      statistics.fmean(dense[(dataset, steps, 1, seed)] for seed in paired), mean, low, high))
     return rows
