@@ -15,7 +15,7 @@ seed. VARIANT is a name and options, `name:key=value,...`:
     demo                       decoupled momentum (the library's DecoupledMomentumMemory); options:
                                decay=, chunk= (the DCT's block side), sign=0 (the decoded sum, not its
                                sign), scale= (the direction times this)
-    demoq                      demo with a chunk-wise selection (ChunkTopKSelector: qchunk= entries a
+    demoq                      demo with a chunk-wise selection (QuantizedChunkSelector: qchunk= entries a
                                chunk, bits= 8, 4 or 2 for quantized values)
 
 and for every variant but dense: warm= the density warm-up ("auto", the library's default, or steps).
@@ -36,7 +36,7 @@ import tensorflow as tf
 import tf_topk.selector
 from tf_topk.bench.suite import paired_interval
 
-class ChunkTopKSelector(tf_topk.selector.Selector):
+class QuantizedChunkSelector(tf_topk.selector.Selector):
     """The largest magnitudes of each fixed-size chunk of the flat tensor, k / chunks of them per chunk
     (SparseLoCo's and DeMo's chunk-wise top-k), their values optionally quantized to `value_bits`.
 
@@ -50,7 +50,9 @@ class ChunkTopKSelector(tf_topk.selector.Selector):
     exact (2 bits: +-1/3 and +-1 times it).
 
     k below the number of chunks: one per chunk, then the k largest of those. Spare slots (k beyond
-    what the chunks give) hold value 0 at index 0.
+    what the chunks give) hold value 0 at index 0. Unlike `tf_topk.selector.ChunkTopKSelector` (each
+    chunk offers ceil(k / chunks), the k largest of all offered are sent), each chunk sends k // chunks
+    of its own, so that every chunk's pairs share one scale and one index width.
     """
 
     def __init__(self, chunk=4096, value_bits=None):
@@ -80,7 +82,7 @@ class ChunkTopKSelector(tf_topk.selector.Selector):
                 tf.concat([indices, tf.zeros([spare], tf.int32)], 0))
 
     def __repr__(self):
-        return f"ChunkTopKSelector(chunk={self.chunk}, value_bits={self.value_bits})"
+        return f"QuantizedChunkSelector(chunk={self.chunk}, value_bits={self.value_bits})"
 
 
 def _quantized(values, bits):
@@ -95,7 +97,7 @@ def _quantized(values, bits):
 
 
 def pair_bytes(value_bits, chunk, scale_bits=16):
-    """Bytes a (value, index) pair of ChunkTopKSelector would take on a wire, and a chunk's scale:
+    """Bytes a (value, index) pair of QuantizedChunkSelector would take on a wire, and a chunk's scale:
     value_bits (32 unquantized) and log2(chunk) bits of index within the chunk."""
     return (value_bits + math.ceil(math.log2(chunk))) / 8.0, scale_bits / 8.0 if value_bits < 32 else 0.0
 
@@ -135,7 +137,7 @@ def make_builder(variant, density):
             sign=options.get("sign", "1") == "1")
         if name == "demo":
             return tf_topk.TopKOptimizer(inner, memory=memory, **common)
-        selector = ChunkTopKSelector(int(options.get("qchunk", 4096)), int(options["bits"]) if "bits" in options
+        selector = QuantizedChunkSelector(int(options.get("qchunk", 4096)), int(options["bits"]) if "bits" in options
                                      else None)
         return tf_topk.TopKOptimizer(inner, memory=memory, selector=selector, **common)
 

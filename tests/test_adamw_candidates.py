@@ -20,25 +20,25 @@ _spec.loader.exec_module(candidates)
 
 def test_chunk_selection_takes_k_over_chunks_from_each_chunk():
     x = tf.constant([0.1, -3.0, 0.2, 1.0, 5.0, 0.0, -0.5, 0.3, 0.7, 0.01])  # chunks of 4: 3 chunks
-    values, indices = candidates.ChunkTopKSelector(4).select(x, 6)  # 2 a chunk
+    values, indices = candidates.QuantizedChunkSelector(4).select(x, 6)  # 2 a chunk
     assert sorted(indices.numpy().tolist()) == [1, 3, 4, 6, 8, 9]
     np.testing.assert_allclose(values.numpy(), tf.gather(x, indices).numpy())
-    values, indices = candidates.ChunkTopKSelector(4).select(x, 2)  # fewer than the chunks: the largest winners
+    values, indices = candidates.QuantizedChunkSelector(4).select(x, 2)  # fewer than the chunks: the largest winners
     assert sorted(indices.numpy().tolist()) == [1, 4]
-    values, indices = candidates.ChunkTopKSelector(4).select(x, 4)  # one a chunk, a spare slot
+    values, indices = candidates.QuantizedChunkSelector(4).select(x, 4)  # one a chunk, a spare slot
     assert sorted(indices.numpy().tolist()) == [0, 1, 4, 8]
     np.testing.assert_allclose(sorted(values.numpy().tolist()), [-3.0, 0.0, 0.7, 5.0])
 
 
 def test_two_bit_values_are_a_third_or_all_of_the_chunks_largest():
     x = tf.constant([4.0, -1.0, 2.9, 0.5, -3.0, 0.2, 0.1, 0.05])  # one chunk of 8, all taken
-    values, indices = candidates.ChunkTopKSelector(8, value_bits=2).select(x, 8)
+    values, indices = candidates.QuantizedChunkSelector(8, value_bits=2).select(x, 8)
     by_index = dict(zip(indices.numpy().tolist(), values.numpy().tolist()))
     assert by_index[0] == pytest.approx(4.0) and by_index[4] == pytest.approx(-4.0)
     assert by_index[1] == pytest.approx(-4.0 / 3) and by_index[3] == pytest.approx(4.0 / 3)
     assert by_index[2] == pytest.approx(4.0)  # 2.9 is nearer 4 than 4/3: the upper half of the range
     with pytest.raises(ValueError, match="value_bits must be None, 2, 4 or 8, got 3"):
-        candidates.ChunkTopKSelector(8, value_bits=3)
+        candidates.QuantizedChunkSelector(8, value_bits=3)
 
 
 def test_pair_bytes_count_the_index_within_the_chunk_and_the_scale():

@@ -39,12 +39,44 @@ def test_the_table_pairs_by_seed_and_says_which_means_are_within_the_margin():
     rows = suite.summarize(records, ["colors", "ratings"], [0.01, 0.001])
     colors, ratings = rows
     assert colors[0] == "colors" and colors[1] == pytest.approx(80.0) and colors[3] == 3
-    assert colors[4][0.01][0] == pytest.approx(-1 / 3) and colors[4][0.001][0] == pytest.approx(-6.5)
-    assert ratings[3] == 0 and ratings[4][0.01] is None
+    assert colors[4][("default", 0.01)][0] == pytest.approx(-1 / 3)
+    assert colors[4][("default", 0.001)][0] == pytest.approx(-6.5)
+    assert ratings[3] == 0 and ratings[4][("default", 0.01)] is None
     table = suite.format_table(rows, [0.01, 0.001])
     colors_line = next(line for line in table.splitlines() if line.startswith("colors"))
     assert " -0.33 (" in colors_line and colors_line.count("within") == 1 and colors_line.endswith("BELOW")
     assert "not run" in next(line for line in table.splitlines() if line.startswith("ratings"))
+
+
+def test_a_configuration_against_another_pairs_by_seed_at_the_same_density():
+    records = [{"task": "colors", "config": config, "density": 0.01, "seed": s, "test_accuracy": a}
+               for config, accuracies in [("default", [0.70, 0.72, 0.71]), ("chunk", [0.75, 0.77, 0.75]),
+                                          ("bucket", [0.69, 0.73, 0.70])]
+               for s, a in enumerate(accuracies)]
+    rows = suite.summarize(records, ["colors"], [0.01], ["chunk", "bucket"], against="default")
+    (_, dense_mean, _, seeds, cells), = rows
+    assert dense_mean != dense_mean and seeds == 3  # no dense runs: nan, yet the configurations pair
+    assert cells[("chunk", 0.01)][0] == pytest.approx(14 / 3) and cells[("bucket", 0.01)][0] == pytest.approx(-1 / 3)
+    line = next(line for line in suite.format_table(rows, [0.01], configs=["chunk", "bucket"],
+                                                    against="default").splitlines() if line.startswith("colors"))
+    assert "ABOVE" in line and line.rstrip().endswith("-")  # chunk's interval above 0; bucket's straddles it
+
+
+@pytest.mark.parametrize("config", sorted(suite.CONFIGS))
+def test_every_configuration_builds_a_topk_optimizer_that_trains(config):
+    import keras
+    import numpy as np
+
+    args = suite.task_args("digits")
+    build = suite.config_optimizer(config, 0.01, steps=400, steps_per_epoch=40)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(64), keras.layers.Dense(2)])
+    optimizer = build(keras, args)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).normal(size=(32, 8)).astype("float32")
+    before = [w.copy() for w in model.get_weights()]
+    model.fit(x, (x[:, 0] > 0).astype("int32"), epochs=1, batch_size=16, verbose=0)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert suite.CONFIGS[config].what and type(optimizer.inner_optimizer).__name__ == "SGD"
 
 
 def _suite(argv, **kw):
@@ -77,6 +109,8 @@ def test_a_suite_run_appends_each_run_and_resumes_without_training_them_again(tm
     (["--half", "validation", "--tasks", "colors"], "give --half development|validation or --tasks"),
     (["--tasks", "colors,imagenet"], "tasks must be among digits,synthetic"),
     (["--half", "validation", "--seeds", "0"], "--seeds must be >= 1, got 0"),
+    (["--half", "validation", "--against", "sparse"], "--against must be dense or among default,"),
+    (["--half", "validation", "--configs", "default,magic"], "configs must be among default,"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):

@@ -17,7 +17,7 @@ import tf_topk
 from tf_topk.memory import Compensation, ErrorFeedbackMemory, NoMemory, make_state_variable
 from tf_topk.routes import (DENSE_CARRY_BYTES, AllGatherRoute, Bucket, carry_in_gather, gather_bytes,
                             ring_all_reduce_bytes)
-from tf_topk.selector import RandomKSelector, Selector, TopKSelector
+from tf_topk.selector import ChunkTopKSelector, RandomKSelector, Selector, TopKSelector
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +59,38 @@ def test_random_k_selector_picks_k_distinct_entries_spread_over_the_tensor():
     assert len(set(chosen.tolist())) == k
     np.testing.assert_array_equal(values.numpy(), flat.numpy()[chosen])
     assert chosen.min() < n - k and 0.25 * n < np.median(chosen) < 0.75 * n
+
+
+def test_chunk_top_k_selector_takes_the_largest_of_each_chunks_largest():
+    n, k, chunk = 10_000, 10, 1000  # ten chunks, one entry each
+    flat = tf.range(1, n + 1, dtype=tf.float32) * tf.where(tf.range(n) % 2 == 0, 1.0, -1.0)
+    values, indices = ChunkTopKSelector(chunk).select(flat, tf.constant(k))
+    chosen = np.sort(indices.numpy())
+    np.testing.assert_array_equal(chosen, np.arange(chunk - 1, n, chunk))  # each chunk's largest magnitude
+    np.testing.assert_array_equal(np.sort(np.abs(values.numpy())), np.abs(flat.numpy()[chosen]))
+    # k above the chunks: ceil(k / chunks) offered per chunk, the k largest of them sent, each entry once.
+    values, indices = ChunkTopKSelector(chunk).select(flat, 15)
+    assert len(set(indices.numpy().tolist())) == 15 and np.all(np.abs(values.numpy()) >= 998)
+    # A last chunk shorter than the others is padded with zeros that are never sent over a real entry.
+    values, indices = ChunkTopKSelector(3).select(tf.constant([1.0, 5.0, 2.0, -4.0]), 2)
+    assert sorted(indices.numpy().tolist()) == [1, 3] and sorted(values.numpy().tolist()) == [-4.0, 5.0]
+
+
+@pytest.mark.parametrize("chunk", [0, -4, 2.5, True, "1024"])
+def test_chunk_top_k_selector_refuses_a_bad_chunk(chunk):
+    with pytest.raises(ValueError, match=f"chunk must be an int >= 1, got {chunk!r}"):
+        ChunkTopKSelector(chunk)
+
+
+def test_chunk_top_k_selector_in_the_exchange_keeps_what_it_does_not_send():
+    variable = tf.Variable(tf.zeros([4000]))
+    exchange = tf_topk.SparseExchange([variable], density=0.001, min_size=1, density_warmup_steps=0,
+                                      selector=ChunkTopKSelector(1000))
+    grad = tf.random.stateless_normal([4000], seed=[1, 2])
+    result = exchange([grad])
+    sent = tf.math.count_nonzero(result.grads[0]).numpy()
+    assert sent == 4 and sorted(set(np.flatnonzero(result.grads[0].numpy()) // 1000)) == [0, 1, 2, 3]
+    np.testing.assert_allclose(exchange.memory.residuals[0].numpy() + result.grads[0].numpy(), grad.numpy(), rtol=1e-6)
 
 
 # -- memory ---------------------------------------------------------------------------------

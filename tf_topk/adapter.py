@@ -460,7 +460,9 @@ class TopKWrapper:
         if self._exchange_object is None:
             raise ValueError(f"{type(self).__name__} was built with no variables (build([])), so it has none to "
                              "apply gradients to: build it with the variables it trains")
-        result = self._exchange_object(grads, step=self.iterations)
+        exchange = self._exchange_object
+        rate = self._learning_rate_now() if exchange.memory.follows_learning_rate else None
+        result = exchange(grads, step=self.iterations, learning_rate=rate)
         for stat, variable in self._stat_variables.items():
             variable.assign(tf.cast(result.stats[stat], tf.float32))
         return result

@@ -136,6 +136,20 @@ def _check_decoupled_momentum_options(config):
                          f"or the autopilot, got density={config.density!r}")
 
 
+def _check_rescale_residuals(config):
+    """rescale_residuals=True rescales plain error feedback's residual: refuse what has none of its own."""
+    if config.rescale_residuals not in (True, False):
+        raise ValueError(f"rescale_residuals must be True or False, got {config.rescale_residuals!r}")
+    if not config.error_feedback:
+        raise ValueError("rescale_residuals=True rescales the residual: it needs error_feedback=True")
+    if config.momentum is not None:
+        raise ValueError("rescale_residuals=True is for plain error feedback; momentum correction (momentum=...) "
+                         "keeps a velocity of its own: pass one or the other")
+    if config.decoupled_momentum is True:
+        raise ValueError("rescale_residuals=True is for plain error feedback; decoupled_momentum=True keeps a "
+                         "momentum of its own: pass one or the other")
+
+
 @dataclasses.dataclass(frozen=True)
 class ExchangeConfig:
     """The options of a sparse exchange (see `tf_topk.SparseExchange` for each).
@@ -207,6 +221,14 @@ class ExchangeConfig:
         (`tf_topk.adapter.wrapper_exchange_config`); an exchange made from
         the config alone, which has no inner optimizer, takes it as False.
         Not with momentum correction, sparse_output or an adaptive density.
+      rescale_residuals: plain error feedback whose residual follows the
+        learning rate: before each step it is multiplied by the previous
+        step's rate over this step's, so an entry sent late moves its
+        variable as far as the steps it waited would have (the error kept in
+        update space, as EF-SGD's). Changes nothing at a constant rate; under
+        a decaying schedule it keeps what waited from shrinking with the
+        rate. Needs the learning rate at each call (the Keras wrappers pass
+        it); not with momentum correction or decoupled momentum.
 
     Frozen and checked when made: a bad value raises a ValueError that names
     it. `replace(**changes)` makes a checked copy.
@@ -229,6 +251,7 @@ class ExchangeConfig:
     selection_scope: str = "variable"
     density_warmup_steps: Any = "auto"
     decoupled_momentum: Any = "auto"
+    rescale_residuals: bool = False
 
     def __post_init__(self):
         check_method(self.method)
@@ -269,7 +292,9 @@ class ExchangeConfig:
             if self.schedule.adaptive is not None:
                 raise ValueError("an adaptive density cannot go with Adam's momentum correction (beta_2=...): "
                                  "pass a float density")
-        for name in ("error_feedback", "nesterov", "momentum_masking", "sparse_output"):
+        if self.rescale_residuals:
+            _check_rescale_residuals(self)
+        for name in ("error_feedback", "nesterov", "momentum_masking", "sparse_output", "rescale_residuals"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
     @property
@@ -349,6 +374,7 @@ class ExchangeConfig:
         config = dict(config)
         config.setdefault("density_warmup_steps", 0)
         config.setdefault("decoupled_momentum", False)  # written before it existed: the method it ran
+        config.setdefault("rescale_residuals", False)
         if isinstance(config.get("density"), list):  # JSON turns (step, density) pairs into lists
             config["density"] = [tuple(pair) if isinstance(pair, list) else pair for pair in config["density"]]
         return cls(**config)

@@ -225,12 +225,14 @@ class SparseExchange(tf.Module):
     # conversion of the exchange's code cost 4.7 s at the first traced step and 0.4-1 s at each later trace
     # (benchmarks/RESULTS.md, "The first traced step").
     @tf.autograph.experimental.do_not_convert
-    def __call__(self, grads, step=None):
+    def __call__(self, grads, step=None, learning_rate=None):
         """Exchange `grads` (one per variable, None allowed) in a replica context.
 
         Returns an ExchangeResult. `step` (an int tensor, e.g. the optimizer's
         iterations) is required when the density is scheduled, and so with a
         fixed density of 0.01 or less, which warms up (`density_warmup_steps`).
+        `learning_rate` (the inner optimizer's rate for this step) is required
+        with `rescale_residuals=True`, and read by no other memory.
         """
         if step is None and self.config.density_warmup_taken:
             raise ValueError(
@@ -240,9 +242,11 @@ class SparseExchange(tf.Module):
                 "iterations), or density_warmup_steps=0 for that density from the first step")
         grads, context = self._check_call(grads)
         replicas = context.num_replicas_in_sync
+        self.memory.begin_step(learning_rate)
         if self._every_entry_as_dense:
             return _all_reduce_every_entry(grads, context, self._specs,
-                                           {p: self.memory.residuals[slot] for p, slot in self._slot.items()})
+                                           {p: self.memory.residuals[slot] for p, slot in self._slot.items()},
+                                           {p: self.memory.residual(slot) for p, slot in self._slot.items()})
         if self.config.local_clipnorm is not None:
             grads = _clip_locally(grads, self.config.local_clipnorm, replicas)
         buckets = [self._bucket([p for p in positions if grads[p] is not None], step) for positions in self._buckets]
@@ -424,14 +428,15 @@ class SparseExchange(tf.Module):
         tf.cond(all_finite, update, lambda: tf.constant(False))
 
 
-def _all_reduce_every_entry(grads, context, specs, residuals):
+def _all_reduce_every_entry(grads, context, specs, residuals, waiting):
     """Every gradient (a sparsified one with its residual, which is then
     emptied) and the non-finite count summed in one all-reduce per dtype,
     as the plain optimizer's dense all-reduce does: the autopilot's choice
     where no density would be faster (`residuals`: per position of a
-    sparsified variable, its residual)."""
+    sparsified variable, its residual variable; `waiting`: what of it joins
+    this step's gradient, the memory's `residual`)."""
     present = [i for i, g in enumerate(grads) if g is not None]
-    flushed = {i: grads[i] + tf.cast(residuals[i], grads[i].dtype) for i in present if specs[i].sparse}
+    flushed = {i: grads[i] + tf.cast(waiting[i], grads[i].dtype) for i in present if specs[i].sparse}
     sent = [flushed.get(i, grads[i]) for i in present]
     # A non-finite entry of any replica makes its sum non-finite: the sums say it, no count travels.
     summed = all_reduce_dense(context, sent)

@@ -127,6 +127,8 @@ class Memory(abc.ABC):
     # Whether the summed sparse gradients the exchange returns are update
     # directions to apply by plain SGD (`variable -= lr * direction`).
     applies_update = False
+    # Whether `begin_step` needs the step's learning rate (the wrappers then pass it).
+    follows_learning_rate = False
 
     @abc.abstractmethod
     def build(self, variables, make_state):
@@ -163,6 +165,16 @@ class Memory(abc.ABC):
         every entry of every slot (None: never)."""
         return None
 
+    def begin_step(self, learning_rate):
+        """Called once per step before any `compensate`, with the inner
+        optimizer's learning rate for the step (None where the caller gives
+        none): a memory that follows the rate reads it here."""
+        return None
+
+    def residual(self, slot):
+        """The residual that joins slot's gradient this step (a tensor)."""
+        return tf.convert_to_tensor(self.residuals[slot])
+
     def finish_step(self):
         """Called once per kept step, after every slot's `update`: a memory
         with a phase of its own (Adam's warm-up) advances its own counter.
@@ -195,6 +207,8 @@ def memory_for(config, residuals=None):
         if residuals is not None:
             raise ValueError("residuals=... keeps what is not sent: it needs error_feedback=True")
         return NoMemory()
+    if config.rescale_residuals:
+        return RateScaledErrorFeedbackMemory(residuals)
     return ErrorFeedbackMemory(residuals)
 
 
@@ -224,12 +238,65 @@ class ErrorFeedbackMemory(Memory):
 
     def compensate(self, slot, grad):
         """grad + residual (in the residual's dtype, the gradient cast by the op)."""
-        return Compensation(grad, tf.convert_to_tensor(self.residuals[slot]), None)
+        return Compensation(grad, self.residual(slot), None)
 
     def update(self, slot, compensation, remaining, values, indices):
         """residual = remaining (the op's buffer is taken over: no copy)."""
         residual = self.residuals[slot]
         residual.assign(tf.reshape(remaining, residual.shape))
+
+
+class RateScaledErrorFeedbackMemory(ErrorFeedbackMemory):
+    """Error feedback whose residual keeps the displacement it stands for
+    when the learning rate changes (`ExchangeConfig(rescale_residuals=True)`).
+
+    A residual entry is gradient that waited; sent at step t it moves its
+    variable by lr_t times it. Under a decaying rate, gradient that waited
+    from a step of a larger rate then moves its variable less than it would
+    have then, and at the end of a schedule hardly at all. Here the residual
+    is multiplied, before each step, by the last kept step's rate over this
+    step's, so that lr_t times it is what the steps it waited would have
+    moved (EF-SGD's error in update space, Karimireddy et al. 2019, held in
+    gradient units for the inner optimizer). One scalar of state, the same
+    on every replica: the last kept step's rate (0 before the first, when
+    nothing is rescaled; nor is it at a rate of 0).
+    """
+
+    follows_learning_rate = True
+
+    def __init__(self, residuals=None):
+        super().__init__(residuals)
+        self.last_rate = None
+        self._rate = self._ratio = None
+
+    def build(self, variables, make_state):
+        super().build(variables, make_state)
+        self.last_rate = make_state(_Shaped(None, [], name="rescaled_residuals"), tf.float32, "last_rate",
+                                    replicated=True)
+
+    @property
+    def state_variables(self):
+        return super().state_variables + [self.last_rate]
+
+    def begin_step(self, learning_rate):
+        if learning_rate is None:
+            raise ValueError("rescale_residuals=True follows the learning rate: call the exchange with "
+                             "learning_rate=... (the inner optimizer's rate for the step; the Keras wrappers do)")
+        rate = tf.cast(tf.convert_to_tensor(learning_rate), tf.float32)
+        last = tf.convert_to_tensor(self.last_rate)
+        both = tf.logical_and(rate > 0.0, last > 0.0)
+        self._rate = rate
+        self._ratio = tf.where(both, last / tf.where(both, rate, 1.0), 1.0)
+
+    def residual(self, slot):
+        residual = tf.convert_to_tensor(self.residuals[slot])
+        if self._ratio is None:
+            raise RuntimeError("RateScaledErrorFeedbackMemory.begin_step must run before the step's residuals")
+        return residual * tf.cast(self._ratio, residual.dtype)
+
+    def finish_step(self):
+        if self._rate is not None:
+            self.last_rate.assign(self._rate)
 
 
 class MomentumCorrectionMemory(ErrorFeedbackMemory):
