@@ -111,6 +111,17 @@ def saved(tmp_path_factory):
     model.save(path / "keras3_warmup.keras")
     models["keras3_warmup"] = dict(keras="keras", path=str(path / "keras3_warmup.keras"), model=model)
 
+    # Residuals that follow a decaying rate (rescale_residuals=True): the option and its state come back.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+    cosine = keras.optimizers.schedules.CosineDecay(0.1, decay_steps=8)
+    model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(cosine), density=0.25, min_size=100,
+                                                  config=tf_topk.ExchangeConfig(rescale_residuals=True)),
+                  loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(path / "keras3_rescaled.keras")
+    models["keras3_rescaled"] = dict(keras="keras", path=str(path / "keras3_rescaled.keras"), model=model)
+
     tf_keras.utils.set_random_seed(0)
     model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16), tf_keras.layers.Dense(2)])
     model.compile(optimizer=tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.25,
@@ -159,6 +170,7 @@ def test_saved_models_load_in_a_new_process(saved, order, api):
         assert loaded["type"] == entry["type"], name
         assert loaded["config"] == entry["config"], name
         assert loaded["config"]["selection_scope"] == ("bucket" if name == "keras3_bucket" else "variable"), name
+        assert loaded["config"]["rescale_residuals"] is (name == "keras3_rescaled"), name
         if name == "keras3_warmup":
             assert (loaded["config"]["density"], loaded["config"]["density_warmup_steps"]) == (0.001, 40)
         np.testing.assert_allclose(np.array(loaded["predictions"]), entry["predictions"], rtol=1e-6, atol=1e-7)

@@ -159,6 +159,16 @@ def test_what_it_cannot_go_with_is_refused_by_name(kwargs, message):
         tf_topk.ExchangeConfig(**kwargs)
 
 
+@pytest.mark.parametrize("inner", [keras.optimizers.Adam, keras.optimizers.AdamW])
+def test_with_adam_it_keeps_plain_error_feedback_in_place_of_the_decoupled_default(inner):
+    variable = keras.Variable(np.zeros(ENTRIES, np.float32))
+    optimizer = tf_topk.TopKOptimizer(inner(1e-3), density=0.01, min_size=1,
+                                      config=tf_topk.ExchangeConfig(rescale_residuals=True))
+    assert optimizer.exchange_config.decoupled_momentum is False
+    optimizer.apply([tf.constant(gradient(0, 0))], [variable])
+    assert optimizer._exchange_object.memory.follows_learning_rate and np.any(variable.numpy() != 0)
+
+
 def test_an_exchange_called_without_the_rate_says_what_it_needs():
     variable = tf.Variable(tf.zeros([ENTRIES]))
     exchange = tf_topk.SparseExchange([variable], density=0.01, min_size=1, density_warmup_steps=0,

@@ -228,9 +228,10 @@ def _decoupled_momentum_chosen(inner_optimizer, adam_classes, config, parts_give
     """decoupled_momentum="auto": on for an inner Adam or AdamW that it keeps
     every option of (no AMSGrad, none of the options it refuses), at a fixed
     density of DECOUPLED_UP_TO_DENSITY or less, without momentum correction,
-    sparse updates or exchange parts given (a selector, memory or router
-    given is the method asked for)."""
-    if parts_given or config.momentum is not None or config.sparse_output or not config.error_feedback:
+    sparse updates, rescaled residuals or exchange parts given (a selector,
+    memory or router given is the method asked for)."""
+    if parts_given or config.momentum is not None or config.sparse_output or not config.error_feedback \
+            or config.rescale_residuals:
         return False
     if not is_adam(inner_optimizer, adam_classes) or getattr(inner_optimizer, "amsgrad", False):
         return False

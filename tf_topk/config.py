@@ -228,7 +228,8 @@ class ExchangeConfig:
         update space, as EF-SGD's). Changes nothing at a constant rate; under
         a decaying schedule it keeps what waited from shrinking with the
         rate. Needs the learning rate at each call (the Keras wrappers pass
-        it); not with momentum correction or decoupled momentum.
+        it); not with momentum correction or decoupled momentum (with an
+        inner Adam, decoupled_momentum="auto" then keeps plain error feedback).
 
     Frozen and checked when made: a bad value raises a ValueError that names
     it. `replace(**changes)` makes a checked copy.
