@@ -62,6 +62,16 @@ def test_a_configuration_against_another_pairs_by_seed_at_the_same_density():
     assert "ABOVE" in line and line.rstrip().endswith("-")  # chunk's interval above 0; bucket's straddles it
 
 
+def test_a_configuration_that_sends_more_than_its_density_is_said_beside_the_table():
+    records = [{"task": "ratings", "config": config, "density": 0.001, "seed": s, "test_accuracy": 0.5,
+                "sent_density": sent}
+               for config, sent in [("default", 0.00104), ("min-k-32", 0.0034)] for s in range(2)]
+    records.append({"task": "ratings", "config": "dense", "density": None, "seed": 0, "test_accuracy": 0.5,
+                    "sent_density": None})
+    assert suite.sent_more(records, ["ratings"], [0.001], ["default", "min-k-32"]) == [
+        "ratings min-k-32 d=0.001 sent 0.0034 of the entries a step, 3.40x the density"]
+
+
 @pytest.mark.parametrize("config", sorted(suite.CONFIGS))
 def test_every_configuration_builds_a_topk_optimizer_that_trains(config):
     import keras

@@ -102,11 +102,13 @@ def saved(tmp_path_factory):
     model.save(path / "keras3_bucket.keras")
     models["keras3_bucket"] = dict(keras="keras", path=str(path / "keras3_bucket.keras"), model=model)
 
-    # A fixed low density saved in its warm-up: the option comes back, the warm-up goes on from the step.
+    # A fixed low density saved in its warm-up, with a floor under k: the options come back, the warm-up
+    # goes on from the step.
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
     model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.001, min_size=100,
-                                                  density_warmup_steps=40), loss="mse")
+                                                  density_warmup_steps=40, config=tf_topk.ExchangeConfig(min_k=4)),
+                  loss="mse")
     model.fit(x, y, batch_size=16, verbose=0)
     model.save(path / "keras3_warmup.keras")
     models["keras3_warmup"] = dict(keras="keras", path=str(path / "keras3_warmup.keras"), model=model)
@@ -171,6 +173,7 @@ def test_saved_models_load_in_a_new_process(saved, order, api):
         assert loaded["config"] == entry["config"], name
         assert loaded["config"]["selection_scope"] == ("bucket" if name == "keras3_bucket" else "variable"), name
         assert loaded["config"]["rescale_residuals"] is (name == "keras3_rescaled"), name
+        assert loaded["config"]["min_k"] == (4 if name == "keras3_warmup" else 1), name
         if name == "keras3_warmup":
             assert (loaded["config"]["density"], loaded["config"]["density_warmup_steps"]) == (0.001, 40)
         np.testing.assert_allclose(np.array(loaded["predictions"]), entry["predictions"], rtol=1e-6, atol=1e-7)

@@ -9,12 +9,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-# Logical CPUs must exist before TensorFlow starts: made at import, as tests/test_keras_order.py does.
-try:
-    tf.config.set_logical_device_configuration(tf.config.list_physical_devices("CPU")[0],
-                                               [tf.config.LogicalDeviceConfiguration()] * 3)
-except RuntimeError:  # TensorFlow already started: the two-replica test skips unless enough CPUs exist
-    pass
+from logical_cpus import apply_step, mirrored_on_cpus, split_cpu
+
+split_cpu()  # before TensorFlow starts: the two-replica tests skip without it
 
 import tf_topk  # noqa: E402
 
@@ -24,12 +21,7 @@ RATES = (1.0, 1.0, 0.5, 0.5, 0.1, 0.1)  # PiecewiseConstantDecay([1, 3], [1.0, 0
 
 @functools.cache
 def two_replicas():
-    """A MirroredStrategy of its own collective keys (see tests/test_keras_order.py's)."""
-
-    class Strategy(tf.distribute.MirroredStrategy):
-        _collective_key_base = 8_000_000
-
-    return Strategy(["/cpu:0", "/cpu:1"])
+    return mirrored_on_cpus(2, 8_000_000)
 
 
 def gradient(step, replica):
@@ -73,15 +65,7 @@ def train(replicas, rescale):
         optimizer = make_optimizer(rescale)
         optimizer.build([variable])
     for step in range(STEPS):
-        if strategy is None:
-            optimizer.apply([tf.constant(gradient(step, 0))], [variable])
-        else:
-            def replica_step():
-                replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-                grads = tf.gather(tf.constant(np.stack([gradient(step, r) for r in range(replicas)])), replica)
-                optimizer.apply([grads], [variable])
-
-            strategy.run(replica_step)
+        apply_step(optimizer, variable, np.stack([gradient(step, r) for r in range(replicas)]), strategy)
     return variable.numpy(), optimizer
 
 

@@ -152,6 +152,9 @@ class SparseExchange(tf.Module):
         # link (tf_topk.autopilot). The optimizer's own config keeps "autopilot" for saving.
         self.autopilot_plan = None
         if self.config.schedule.autopilot:
+            if self.config.min_k > 1:
+                raise ValueError(f"min_k={self.config.min_k} is a floor under a fixed or scheduled density's k; "
+                                 "the autopilot (the default density) chooses k itself: pass density=... or min_k=1")
             specs = [_spec(v, self.config.min_size) for v in variables]
             self.autopilot_plan = autopilot.plan(sum(spec.size for spec in specs if spec.sparse),
                                                  sum(spec.size for spec in specs if not spec.sparse) + 1,
@@ -195,7 +198,8 @@ class SparseExchange(tf.Module):
         self._buckets = _buckets(self._specs, self.sparse_positions, self.config)
         # k of each variable at each step, and what choosing it needs gathered (tf_topk.step_density).
         object.__setattr__(self, "step_density", step_density_for(
-            self.config.schedule, self.router, sum(self._specs[i].size for i in self.sparse_positions)))
+            self.config.schedule, self.router, sum(self._specs[i].size for i in self.sparse_positions),
+            self.config.min_k))
         make_state = make_state or make_state_variable
         # Checkpoints give each replica its own state back (tf_topk.replica_state):
         # hooked as the state is made, before a pending restore can reach it.

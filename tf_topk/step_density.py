@@ -22,12 +22,16 @@ import tensorflow as tf
 from tf_topk.routes import ring_all_reduce_bytes
 
 
-def step_density_for(schedule, router, sparse_entries):
+def step_density_for(schedule, router, sparse_entries, min_k=1):
     """The step density of a `DensitySchedule` (`router`: the exchange's,
     whose routes price the adaptive rule's pairs; `sparse_entries`: the
-    entries of every sparsified variable)."""
+    entries of every sparsified variable; `min_k`: the floor under a
+    scheduled density's k, `ExchangeConfig.min_k`)."""
     if schedule.adaptive is None:
-        return ScheduledDensity(schedule)
+        return ScheduledDensity(schedule, min_k)
+    if min_k > 1:
+        raise ValueError(f"min_k={min_k} is a floor under a scheduled density's k; an adaptive density or the "
+                         "autopilot chooses k itself: pass a float density or a schedule, or min_k=1")
     return AgreedAdaptiveDensity(schedule.adaptive, router, sparse_entries)
 
 
@@ -41,12 +45,14 @@ def replica_counter(initial, dtype, name):
 
 class ScheduledDensity:
     """k by a density schedule: a Python int when the density is constant
-    (every shape static), else a tensor of the step."""
+    (every shape static), else a tensor of the step; never below
+    min(min_k, size)."""
 
     with_profile = False
 
-    def __init__(self, schedule):
+    def __init__(self, schedule, min_k=1):
         self.schedule = schedule
+        self.min_k = min_k
 
     @property
     def current(self):
@@ -54,7 +60,10 @@ class ScheduledDensity:
         return None
 
     def k(self, size, step):
-        return self.schedule.k(size, step)
+        k, floor = self.schedule.k(size, step), min(self.min_k, size)
+        if floor <= 1:
+            return k
+        return max(floor, k) if isinstance(k, int) else tf.maximum(k, floor)
 
     def select(self, fused_op, size):
         del size  # no profile to size

@@ -116,6 +116,12 @@ def _rescaled_config():
     return tf_topk.ExchangeConfig(rescale_residuals=True)
 
 
+def _floored_config(min_k):
+    import tf_topk
+
+    return tf_topk.ExchangeConfig(min_k=min_k)
+
+
 CONFIGS = {
     "default": Config("TopKOptimizer(inner, density=d), every other option the library's default",
                       lambda d, steps, epoch: {"density": d}),
@@ -134,6 +140,16 @@ CONFIGS = {
     "rescaled": Config("the default with its residuals rescaled by the learning rate's change "
                        "(ExchangeConfig(rescale_residuals=True))",
                        lambda d, steps, epoch: {"density": d, "config": _rescaled_config()}),
+    "min-k-16": Config("the default with a floor of 16 entries a step under each variable's k "
+                       "(ExchangeConfig(min_k=16))",
+                       lambda d, steps, epoch: {"density": d, "config": _floored_config(16)}),
+    "min-k-32": Config("the default with a floor of 32 entries a step under each variable's k "
+                       "(ExchangeConfig(min_k=32))",
+                       lambda d, steps, epoch: {"density": d, "config": _floored_config(32)}),
+    "mlp-recipe-min-k-32": Config("the MLP recipe (momentum correction with DGC's 4-epoch warm-up) with a "
+                                  "floor of 32 entries a step under each variable's k",
+                                  lambda d, steps, epoch: {"density": _dgc_warmup(d, epoch), "momentum_correction": True,
+                                                           "config": _floored_config(32)}),
     "warmup-tenth": Config("the default with its density warm-up over the run's first tenth "
                            "(density_warmup_steps=steps // 10)",
                            lambda d, steps, epoch: {"density": d, "density_warmup_steps": steps // 10}),
@@ -225,6 +241,25 @@ def summarize(records, tasks, densities, configs=("default",), against="dense"):
         rows.append((task, statistics.fmean(values) if values else math.nan,
                      statistics.stdev(values) if len(values) > 1 else math.nan, len(paired), cells))
     return rows
+
+
+def sent_more(records, tasks, densities, configs, factor=1.1):
+    """Lines for each (task, configuration, density) whose runs sent on average at least `factor` times
+    the density asked (a floor of k, say): accuracy bought with bytes, said beside the table."""
+    sent = collections.defaultdict(list)
+    for r in records:
+        if r["config"] != "dense" and r.get("sent_density") is not None:
+            sent[(r["task"], r["config"], r["density"])].append(r["sent_density"])
+    lines = []
+    for task in tasks:
+        for config in configs:
+            for density in densities:
+                values = sent.get((task, config, density))
+                if values and statistics.fmean(values) >= factor * density:
+                    mean = statistics.fmean(values)
+                    lines.append(f"{task} {config} d={density:g} sent {mean:.3g} of the entries a step, "
+                                 f"{mean / density:.2f}x the density")
+    return lines
 
 
 def _verdict(cell, against, margin):
@@ -319,6 +354,7 @@ def main(argv=None):
             for task, mean, std, seeds, cells in rows]}))
     else:
         print(format_table(rows, args.densities, args.margin, args.configs, args.against))
+        print("\n".join(sent_more(read_records(args.out), args.tasks, args.densities, args.configs)))
     return 0
 
 
