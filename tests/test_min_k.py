@@ -1,6 +1,7 @@
 """`ExchangeConfig(min_k=...)`: a floor under each sparsified variable's k. A numpy reference of the
 update on one and two replicas (all_gather), the floor under a warm-up's schedule and on the agreed-index
-route, a floor beyond the variable's size, the pairs buckets are sized for, and what it refuses."""
+route, a floor beyond the variable's size, the pairs buckets are sized for, what it refuses, and the floor
+with the options it meets (decoupled momentum, sparse updates, the bucket's selection, momentum correction)."""
 
 import functools
 
@@ -128,3 +129,19 @@ def test_the_config_round_trips_through_the_optimizer_and_an_older_one_loads_wit
     older = tf_topk.ExchangeConfig(density=0.01, min_k=8).get_config()
     del older["min_k"]
     assert tf_topk.ExchangeConfig.from_config(older).min_k == 1
+
+
+@pytest.mark.parametrize("inner, options", [
+    (lambda: keras.optimizers.AdamW(1e-3), {}),  # Adam's default at 0.001: decoupled momentum
+    (lambda: keras.optimizers.SGD(0.1), {"sparse_updates": True}),
+    (lambda: keras.optimizers.SGD(0.1), {"exchange_mode": "allgather", "selection_scope": "bucket"}),
+    (lambda: keras.optimizers.SGD(0.1, momentum=0.9), {"momentum_correction": True}),
+], ids=["adamw decoupled momentum", "sparse updates", "selection over the bucket", "momentum correction"])
+def test_the_floor_holds_with_the_options_it_meets(inner, options):
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(100)])  # a 6,400-entry kernel, k = 7
+    optimizer = tf_topk.TopKOptimizer(inner(), density=0.001, density_warmup_steps=0, min_size=1000,
+                                      config=tf_topk.ExchangeConfig(min_k=32), **options)
+    model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    model.fit(rng.random((16, 64)), rng.random((16, 100)), batch_size=16, verbose=0)
+    assert optimizer.compression_stats()["selected"] == 32
