@@ -41,3 +41,22 @@ def apply_step(optimizer, variable, gradients, strategy=None):
         optimizer.apply([tf.gather(tf.constant(gradients), replica)], [variable])
 
     strategy.run(replica_step)
+
+
+def train_variable(strategy, make_optimizer, gradients, replicas, entries, steps):
+    """A zero variable of `entries` after each of `steps` steps (a list of arrays) of the optimizer
+    `make_optimizer()` returns, made in the strategy's scope (an inner optimizer's slots are variables
+    of the strategy); `gradients(step, replica)` is replica r's gradient, `strategy` None for one
+    device."""
+    import keras
+    import numpy as np
+
+    with strategy.scope() if strategy is not None else tf.init_scope():
+        variable = keras.Variable(np.zeros(entries, np.float32))
+        optimizer = make_optimizer()
+        optimizer.build([variable])
+    after = []
+    for step in range(steps):
+        apply_step(optimizer, variable, np.stack([gradients(step, r) for r in range(replicas)]), strategy)
+        after.append(variable.numpy().copy())
+    return after

@@ -107,6 +107,8 @@ def test_a_suite_run_appends_each_run_and_resumes_without_training_them_again(tm
     assert [(r["config"], r["seed"]) for r in records] == [("dense", 0), ("default", 0), ("dense", 1), ("default", 1)]
     assert proc.stderr.count("[suite] ratings seed") == 2  # seed 1's two runs only
     assert all(r["half"] == "validation" and r["epochs"] == 1 and 0.0 < r["test_accuracy"] <= 1.0 for r in records)
+    # The fit beside the test: the last epoch's running training loss and accuracy.
+    assert all(r["train_loss"] > 0.0 and 0.0 < r["train_accuracy"] <= 1.0 for r in records)
     assert records[1]["sent_density"] > 0.01  # one epoch of 300 steps lies inside the library's warm-up
     row, = json.loads(proc.stdout)["rows"]
     assert row["task"] == "ratings" and row["seeds"] == 2 and row["default"]["0.01"]["low"] < row["default"]["0.01"]["high"]

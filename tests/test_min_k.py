@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from logical_cpus import apply_step, mirrored_on_cpus, split_cpu
+from logical_cpus import mirrored_on_cpus, split_cpu, train_variable
 
 split_cpu()  # before TensorFlow starts: the two-replica tests skip without it
 
@@ -54,14 +54,7 @@ def train(replicas, optimizer, steps=STEPS):
     strategy = two_replicas() if replicas == 2 else None
     if strategy is not None and strategy.num_replicas_in_sync != 2:
         pytest.skip("TensorFlow started before this module made its logical CPUs")
-    with strategy.scope() if strategy is not None else tf.init_scope():
-        variable = keras.Variable(np.zeros(ENTRIES, np.float32))
-        optimizer.build([variable])
-    after = []
-    for step in range(steps):
-        apply_step(optimizer, variable, np.stack([gradient(step, r) for r in range(replicas)]), strategy)
-        after.append(variable.numpy().copy())
-    return after
+    return train_variable(strategy, lambda: optimizer, gradient, replicas, ENTRIES, steps)
 
 
 def entries_moved(after):

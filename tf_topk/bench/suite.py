@@ -208,6 +208,9 @@ def run_suite(tasks, densities, seeds, out, epochs=None, log=None, configs=("def
                                        convergence.replica_strategy(1), optimizer_for=optimizer_for)
         record = {"task": task, "half": TASKS[task].half, "config": config, "density": density, "seed": seed,
                   "test_accuracy": result["val_accuracy"][-1], "epochs": args.epochs,
+                  # The last epoch's running means: with the test accuracy, whether a gap is the fit or the
+                  # generalization.
+                  "train_loss": result["loss"][-1], "train_accuracy": result["accuracy"][-1],
                   "sent_density": result["stats"].get("density"), "seconds": round(time.monotonic() - started, 1)}
         with open(out, "a") as lines:
             lines.write(json.dumps(record) + "\n")
