@@ -29,6 +29,19 @@ def mirrored_on_cpus(replicas, key_base):
     return Strategy([f"/cpu:{i}" for i in range(replicas)])
 
 
+def strategy_for(replicas, two_replicas):
+    """None for one device, else the module's two-replica strategy (`two_replicas()`); the test skips
+    where TensorFlow had started before the module made its logical CPUs."""
+    if replicas == 1:
+        return None
+    strategy = two_replicas()
+    if strategy.num_replicas_in_sync != replicas:
+        import pytest
+
+        pytest.skip("TensorFlow started before this module made its logical CPUs")
+    return strategy
+
+
 def apply_step(optimizer, variable, gradients, strategy=None):
     """One `optimizer.apply` of one variable: `gradients[r]` (a numpy array) on replica r of
     `strategy`, or `gradients[0]` with no strategy."""

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from logical_cpus import mirrored_on_cpus, split_cpu, train_variable
+from logical_cpus import mirrored_on_cpus, split_cpu, strategy_for, train_variable
 
 split_cpu()  # before TensorFlow starts: the two-replica tests skip without it
 
@@ -66,9 +66,7 @@ def make_optimizer(density, exchange_mode="allgather"):
 
 
 def train(replicas, make, gradients=gradient):
-    strategy = two_replicas() if replicas == 2 else None
-    if strategy is not None and strategy.num_replicas_in_sync != 2:
-        pytest.skip("TensorFlow started before this module made its logical CPUs")
+    strategy = strategy_for(replicas, two_replicas)
     return train_variable(strategy, make, gradients, replicas, ENTRIES, STEPS)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from logical_cpus import mirrored_on_cpus, split_cpu, train_variable
+from logical_cpus import mirrored_on_cpus, split_cpu, strategy_for, train_variable
 
 split_cpu()  # before TensorFlow starts: the two-replica tests skip without it
 
@@ -51,9 +51,7 @@ def make_optimizer(min_k, density=DENSITY, exchange_mode="allgather"):
 
 def train(replicas, optimizer, steps=STEPS):
     """The variable after each step (a list of arrays), trained by `optimizer` on `replicas`."""
-    strategy = two_replicas() if replicas == 2 else None
-    if strategy is not None and strategy.num_replicas_in_sync != 2:
-        pytest.skip("TensorFlow started before this module made its logical CPUs")
+    strategy = strategy_for(replicas, two_replicas)
     return train_variable(strategy, lambda: optimizer, gradient, replicas, ENTRIES, steps)
 
 

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 
-from logical_cpus import mirrored_on_cpus, split_cpu, train_variable
+from logical_cpus import mirrored_on_cpus, split_cpu, strategy_for, train_variable
 
 split_cpu()  # before TensorFlow starts: the two-replica test skips without it
 
@@ -57,9 +57,7 @@ def reference(replicas, steps=STEPS):
 
 
 def train(replicas, make, gradients=gradient, steps=STEPS):
-    strategy = two_replicas() if replicas == 2 else None
-    if strategy is not None and strategy.num_replicas_in_sync != 2:
-        pytest.skip("TensorFlow started before this module made its logical CPUs")
+    strategy = strategy_for(replicas, two_replicas)
     return train_variable(strategy, make, gradients, replicas, ENTRIES, steps)
 
 

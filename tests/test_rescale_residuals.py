@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from logical_cpus import apply_step, mirrored_on_cpus, split_cpu
+from logical_cpus import apply_step, mirrored_on_cpus, split_cpu, strategy_for
 
 split_cpu()  # before TensorFlow starts: the two-replica tests skip without it
 
@@ -57,9 +57,7 @@ def make_optimizer(rescale):
 
 
 def train(replicas, rescale):
-    strategy = two_replicas() if replicas == 2 else None
-    if strategy is not None and strategy.num_replicas_in_sync != 2:
-        pytest.skip("TensorFlow started before this module made its logical CPUs")
+    strategy = strategy_for(replicas, two_replicas)
     with strategy.scope() if strategy is not None else tf.init_scope():
         variable = keras.Variable(np.zeros(ENTRIES, np.float32))
         optimizer = make_optimizer(rescale)
