@@ -55,6 +55,8 @@ class MomentumEstimateMemory(Memory):
 
     def __init__(self, momentum, decay=1.0):
         self.momentum = check_momentum(momentum)
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be a float in (0, 1], got {decay!r}")
         self.decay = float(decay)
         self.velocities = self.estimates = self.summed_estimates = None
 

@@ -125,3 +125,14 @@ def reference_without(replicas, k, skipped):
             summed[chosen] += difference[chosen]
         variable -= RATE * summed
     return variable
+
+
+@pytest.mark.parametrize("decay", [0.0, 1.5, -0.1, True, "0.9"])
+def test_a_bad_decay_is_named(decay):
+    with pytest.raises(ValueError, match=r"decay must be a float in \(0, 1\], got"):
+        MomentumEstimateMemory(MOMENTUM, decay)
+
+
+def test_a_bad_momentum_is_named():
+    with pytest.raises(ValueError, match="momentum must be a float in"):
+        MomentumEstimateMemory(1.0)
