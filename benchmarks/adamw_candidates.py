@@ -18,7 +18,8 @@ seed. VARIANT is a name and options, `name:key=value,...`:
     demoq                      demo with a chunk-wise selection (QuantizedChunkSelector: qchunk= entries a
                                chunk, bits= 8, 4 or 2 for quantized values)
 
-and for every variant but dense: warm= the density warm-up ("auto", the library's default, or steps).
+and for every variant but dense: warm= the density warm-up ("auto", the library's default, or steps), and
+mode= the exchange_mode (e.g. mode=allgather_int8: values in 8 bits, the rounding error kept).
 
 `summarize` pairs each variant's seeds with dense's of the same dataset, steps and replicas, and prints
 the mean difference in nats/byte with its 95% t-interval.
@@ -120,7 +121,8 @@ def make_builder(variant, density):
         if name == "dense":
             return inner
         warm = options.get("warm", "auto")
-        common = dict(density=density, density_warmup_steps=warm if warm == "auto" else int(warm))
+        common = dict(density=density, density_warmup_steps=warm if warm == "auto" else int(warm),
+                      exchange_mode=options.get("mode", "auto"))
         if name == "topk_ef":
             return tf_topk.TopKOptimizer(inner, decoupled_momentum=False, **common)
         if name == "mc":

@@ -26,6 +26,7 @@ import statistics
 import sys
 
 from tf_topk.cli import DENSITY_WARMUP_HELP, density_warmup_steps
+from tf_topk.config import EXCHANGE_MODES
 
 
 def parse_args(argv=None):
@@ -39,6 +40,8 @@ def parse_args(argv=None):
                         help="density=\"autopilot\": measure the cluster, then route and choose the density by "
                              "predicted time (tf_topk.autopilot); --density is ignored")
     parser.add_argument("--method", choices=("gaussian", "exact"), default="gaussian")
+    parser.add_argument("--exchange-mode", default="auto", choices=EXCHANGE_MODES,
+                        help="how the pairs travel (allgather_int8: values in 8 bits, a pair in 4 bytes)")
     parser.add_argument("--dense", action="store_true", help="train with the plain optimizer (dense all-reduce)")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     parser.add_argument("--momentum", type=float, default=0.0,
@@ -141,7 +144,7 @@ def train(args, strategy):
         fixed = {} if density is not args.density else {"density_warmup_steps": args.density_warmup_steps}
         optimizer = inner if args.dense else tf_topk.TopKOptimizer(
             inner, density=density, method=args.method, momentum_correction=args.momentum_correction,
-            sparse_updates=args.sparse_updates, **fixed)
+            sparse_updates=args.sparse_updates, exchange_mode=args.exchange_mode, **fixed)
         model.compile(optimizer=optimizer,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"],

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from selection_reference import on_grid
 from test_exchange_allreduce import top_k_indices
 
 REPLICA_COUNTS = (1, 2, 3)
@@ -131,6 +132,9 @@ class Reference:
         non-zero |acc| (none if it has fewer), and every replica sends its
         own acc at the union;
       dense:     every entry;
+      allgather_int8: as allgather, each variable's sent values rounded to
+        their 8-bit grid (`on_grid`; the rounding error stays in the
+        residual), on every replica count;
       dense_bf16: every entry rounded to bfloat16 (the rounding error
         stays in the residual), summed in bfloat16 (`magnitudes`: the sum of
         the rounded contributions' magnitudes, which bounds that sum's error).
@@ -158,8 +162,8 @@ class Reference:
         self.magnitudes = {}
 
     def bucket_mode(self, bucket):
-        if self.mode == "dense_bf16":
-            return "dense_bf16"
+        if self.mode in ("dense_bf16", "allgather_int8"):
+            return self.mode
         if self.replicas == 1 or self.mode == "allgather":
             return "allgather"
         if self.mode == "allreduce":
@@ -219,6 +223,8 @@ class Reference:
                     mask = np.zeros(SIZES[v], bool)
                     mask[taken] = True
                     sent = np.where(mask, to_bfloat16(acc) if mode == "dense_bf16" else acc, np.float32(0))
+                    if mode == "allgather_int8":
+                        sent = on_grid(sent)
                     total += sent
                     magnitude += np.abs(sent)
                     self.residuals[r][v] = acc - sent
@@ -276,6 +282,12 @@ def cells():
         for sparse_output in (False, True):
             add(replicas, "dense_bf16", sparse_output, "ef", "one_bucket")
         add(replicas, "dense_bf16", False, "nesterov", "per_variable")
+    # Pairs in 32-bit words: every replica count, both outputs, the three memories, both layouts.
+    for replicas in REPLICA_COUNTS:
+        for sparse_output in (False, True):
+            add(replicas, "allgather_int8", sparse_output, "ef", "one_bucket")
+        add(replicas, "allgather_int8", False, "nesterov", "per_variable")
+        add(replicas, "allgather_int8", True, "momentum", "per_variable")
     # One selection over the bucket: all_gather, dense output, every memory;
     # one variable per bucket is k per variable again.
     for replicas in REPLICA_COUNTS:

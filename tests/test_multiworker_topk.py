@@ -33,6 +33,7 @@ TWO_WORKER_RUNS = {
     "adaptive": "--adaptive",
     "dense_momentum": f"--dense {SGD_MOMENTUM}",
     "mc": f"--density 0.001 --momentum-correction --warmup-epochs 2 {SGD_MOMENTUM}",
+    "int8": "--density 0.02 --density-warmup-steps 100 --exchange-mode allgather_int8",
     # Last: the mixed_float16 policy is global (each run sets its own).
     "mixed": "--density 0.01 --density-warmup-steps 20 --mixed-precision --epochs 3",
 }
@@ -96,6 +97,20 @@ def test_autopilot_two_workers_measure_one_link_and_keep_identical_weights(two_w
     assert lines[0].split("): ", 1)[1] == lines[1].split("): ", 1)[1]
     assert reports[0]["density"] == "autopilot" and reports[0]["test_accuracy"] > 0.9
     assert reports[0]["compression"]["exchange_mode"] == reports[1]["compression"]["exchange_mode"]
+
+
+def test_pairs_in_32_bit_words_cross_real_workers_with_identical_weights(two_workers):
+    """exchange_mode="allgather_int8" at twice top-k's density: the words cross the collective runtime
+    between processes and decode to the same sum on both workers; the bytes those pairs take are top-k's
+    at half the density, and the accuracy is dense's."""
+    reports, weights = two_workers["int8"]
+    topk, _ = two_workers["topk"]
+    dense, _ = two_workers["dense"]
+    assert_identical(weights)
+    assert reports[0]["compression"]["exchange_mode"] == 4.0 and reports[0]["skipped_steps"] == 0
+    assert reports[0]["compression"]["selected"] > 1.9 * topk[0]["compression"]["selected"]
+    assert reports[0]["bytes_per_step"] < 1.1 * topk[0]["bytes_per_step"]
+    assert reports[0]["test_accuracy"] >= dense[0]["test_accuracy"] - 0.01, (reports[0], dense[0])
 
 
 def test_sparse_updates_with_momentum_correction_keep_workers_identical(two_workers):

@@ -227,7 +227,8 @@ def check_decoupled_momentum(inner_optimizer, adam_classes, keras_name):
 def _decoupled_momentum_chosen(inner_optimizer, adam_classes, config, parts_given):
     """decoupled_momentum="auto": on for an inner Adam or AdamW that it keeps
     every option of (no AMSGrad, none of the options it refuses), at a fixed
-    density of DECOUPLED_UP_TO_DENSITY or less, without momentum correction,
+    density of DECOUPLED_UP_TO_DENSITY or less (in 8-byte pairs' bytes: twice it
+    with exchange_mode="allgather_int8"), without momentum correction,
     sparse updates, rescaled residuals or exchange parts given (a selector,
     memory or router given is the method asked for)."""
     if parts_given or config.momentum is not None or config.sparse_output or not config.error_feedback \
@@ -238,7 +239,8 @@ def _decoupled_momentum_chosen(inner_optimizer, adam_classes, config, parts_give
     if _update_options_in_use(inner_optimizer):
         return False
     density = config.schedule.settled_density() if config.density is not None else None
-    return density is not None and config.schedule.adaptive is None and density <= DECOUPLED_UP_TO_DENSITY
+    return density is not None and config.schedule.adaptive is None and \
+        config.density_in_pair_bytes(density) <= DECOUPLED_UP_TO_DENSITY
 
 
 def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name, config=None,

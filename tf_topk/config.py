@@ -23,7 +23,7 @@ from tf_topk.schedule import AUTOPILOT, DensitySchedule, warmup_in_steps
 # all-reduce and stay exact. 4096 float32 entries are 16 KiB.
 DEFAULT_MIN_SIZE = 4096
 
-EXCHANGE_MODES = ("auto", "allgather", "allreduce", "dense_bf16")
+EXCHANGE_MODES = ("auto", "allgather", "allreduce", "dense_bf16", "allgather_int8")
 SELECTION_SCOPES = ("variable", "bucket")
 
 # density not given (None): the autopilot measures the cluster and chooses the routes and the
@@ -43,6 +43,11 @@ WARMUP_INITIAL_DENSITY = 0.25
 # decoupled_momentum="auto" chooses DeMo's decoupled momentum for an inner Adam or AdamW at a fixed
 # density of this or less (measured: benchmarks/RESULTS.md#decoupled-momentum-for-adamw-demo).
 DECOUPLED_UP_TO_DENSITY = 0.01
+
+# Both thresholds above are densities of 8-byte pairs (float32 value, int32 index): a route that packs a
+# pair in fewer bytes sends the same bytes at a higher density, and is held to the same thresholds by
+# its density of 8-byte pairs (`ExchangeConfig.density_in_pair_bytes`).
+PAIR_BYTES_SHARE = {"allgather_int8": 0.5}
 
 
 def check_min_size(min_size):
@@ -198,7 +203,11 @@ class ExchangeConfig:
         else the route that sends the fewest bytes, agreed indices or
         dense), "allgather", "allreduce" (agreed indices), or "dense_bf16"
         (no sparsification: every entry in bfloat16, the rounding error kept
-        in the residuals; the 16-bit baseline, `routes.Bfloat16DenseRoute`).
+        in the residuals; the 16-bit baseline, `routes.Bfloat16DenseRoute`),
+        or "allgather_int8" (all_gather of 4-byte pairs: values rounded to 8
+        bits, the rounding error kept in the residuals, beside 24-bit
+        indices, so twice the density for all_gather's bytes;
+        `routes.Int8AllGatherRoute`; buckets of at most 2**24 entries).
       sparse_output: hand sparsified gradients out as pairs.
       selection_scope: "variable" (default: k entries of each variable) or
         "bucket": one selection of the bucket's k (the sum of its variables'
@@ -210,7 +219,8 @@ class ExchangeConfig:
         fall in each variable differs between replicas), a fixed or scheduled
         density and dense output.
       density_warmup_steps: "auto" (default): a fixed density of
-        WARMUP_UP_TO_DENSITY (0.01) or less starts with DGC's falling densities over
+        WARMUP_UP_TO_DENSITY (0.01) or less (in 8-byte pairs' bytes: 0.02 with
+        "allgather_int8") starts with DGC's falling densities over
         the first DEFAULT_DENSITY_WARMUP_STEPS (400) steps, four stages of
         100 from 0.25 down (`tf_topk.schedule.warmup_in_steps`),
         except with Adam's momentum correction, whose first steps are dense
@@ -228,7 +238,8 @@ class ExchangeConfig:
         applied as the update direction (by the Keras wrappers, at the inner
         optimizer's learning rate, with its decoupled weight decay). "auto"
         (default): the Keras wrappers choose it for an inner Adam or AdamW
-        at a fixed density of DECOUPLED_UP_TO_DENSITY (0.01) or less
+        at a fixed density of DECOUPLED_UP_TO_DENSITY (0.01) or less (0.02
+        with "allgather_int8", which sends the same bytes)
         (`tf_topk.adapter.wrapper_exchange_config`); an exchange made from
         the config alone, which has no inner optimizer, takes it as False.
         Not with momentum correction, sparse_output or an adaptive density.
@@ -306,6 +317,10 @@ class ExchangeConfig:
             if self.schedule.adaptive is not None:
                 raise ValueError("an adaptive density cannot go with Adam's momentum correction (beta_2=...): "
                                  "pass a float density")
+            if self.exchange_mode == "allgather_int8":
+                raise ValueError("exchange_mode='allgather_int8' rounds what is sent to 8 bits, and Adam's momentum "
+                                 "correction (beta_2=...) sends every gradient entry exactly during its variance "
+                                 "warm-up: pass exchange_mode='allgather' or 'auto'")
         if self.rescale_residuals:
             _check_rescale_residuals(self)
         for name in ("error_feedback", "nesterov", "momentum_masking", "sparse_output", "rescale_residuals"):
@@ -319,6 +334,11 @@ class ExchangeConfig:
         if not steps:
             return given
         return DensitySchedule(warmup_in_steps(steps, final=given.constant, initial=WARMUP_INITIAL_DENSITY))
+
+    def density_in_pair_bytes(self, density):
+        """`density` as the density of 8-byte pairs that sends the same bytes on this exchange_mode
+        (half of it with "allgather_int8"): what the "auto" thresholds compare."""
+        return density * PAIR_BYTES_SHARE.get(self.exchange_mode, 1.0)
 
     @property
     def density_warmup_taken(self):
@@ -341,7 +361,7 @@ class ExchangeConfig:
     def _warmup_steps(self, given):
         """Steps of the density warm-up that `density_warmup_steps` asks of `given`."""
         if self.density_warmup_steps == "auto":
-            low = given.constant is not None and given.constant <= WARMUP_UP_TO_DENSITY
+            low = given.constant is not None and self.density_in_pair_bytes(given.constant) <= WARMUP_UP_TO_DENSITY
             return DEFAULT_DENSITY_WARMUP_STEPS if low and self.beta_2 is None else 0
         if self.density_warmup_steps and given.constant is None:
             given_as = f"density={self.density!r}" + (" (the autopilot)" if self.density is None else "")

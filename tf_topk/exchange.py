@@ -298,7 +298,7 @@ class SparseExchange(tf.Module):
                 reduced = _unpack(summed_carry, small, int(scalars.shape[0]))
                 totals["bytes"] += route.carry_bytes(int(carry.shape[0]), replicas)
             pairs = tf.cast(tf.size(values), tf.float32)
-            totals["bytes"] += route.bytes(pairs, bucket.size, replicas)
+            totals["bytes"] += route.bytes(pairs, bucket.size, replicas) + route.bucket_overhead_bytes(bucket, replicas)
             totals["k"] += pairs
             totals["mode"] += route.code
         all_finite = tf.equal(reduced[-1][0], 0.0)

@@ -150,6 +150,9 @@ CONFIGS = {
                                   "floor of 32 entries a step under each variable's k",
                                   lambda d, steps, epoch: {"density": _dgc_warmup(d, epoch), "momentum_correction": True,
                                                            "config": _floored_config(32)}),
+    "int8": Config("the default's bytes in 4-byte pairs: density 2d on exchange_mode='allgather_int8' (values in "
+                   "8 bits, the rounding error kept)",
+                   lambda d, steps, epoch: {"density": 2 * d, "exchange_mode": "allgather_int8"}),
     "warmup-tenth": Config("the default with its density warm-up over the run's first tenth "
                            "(density_warmup_steps=steps // 10)",
                            lambda d, steps, epoch: {"density": d, "density_warmup_steps": steps // 10}),

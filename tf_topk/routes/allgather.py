@@ -29,10 +29,8 @@ class AllGatherRoute(Route):
     def send(self, context, bucket, values, indices, lengths, carry, sparse_output):
         rows, summed_carry = _gather(context, tf.concat([values, tf.bitcast(indices, tf.float32)], 0), carry)
         k = tf.size(values)
-        rows_values, rows_indices = rows[:, :k], tf.bitcast(rows[:, k:], tf.int32)
-        if sparse_output:
-            return split_pairs(bucket, lengths, rows_values, rows_indices), summed_carry
-        return split_dense(bucket, _scatter_in_replica_order(rows_values, rows_indices, bucket.size)), summed_carry
+        return gathered_gradients(bucket, lengths, rows[:, :k], tf.bitcast(rows[:, k:], tf.int32),
+                                  sparse_output), summed_carry
 
     def bytes(self, pairs, entries, replicas):
         return (replicas - 1) * 8.0 * pairs
@@ -88,6 +86,14 @@ class AllGatherOrDenseRoute(AllGatherRoute):
 
     def __repr__(self):
         return f"AllGatherOrDenseRoute(dense_when={self.dense_when!r})"
+
+
+def gathered_gradients(bucket, lengths, rows_values, rows_indices, sparse_output):
+    """Every replica's pairs (rows [replicas, K]) as the members' gradients: pairs per replica with
+    `sparse_output`, else their sum densified in replica order."""
+    if sparse_output:
+        return split_pairs(bucket, lengths, rows_values, rows_indices)
+    return split_dense(bucket, _scatter_in_replica_order(rows_values, rows_indices, bucket.size))
 
 
 def _gather(context, buffer, carry):

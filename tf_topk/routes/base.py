@@ -96,6 +96,10 @@ class Route(abc.ABC):
         (a route may send more pairs than it selects: agreed slots)."""
         return self.bytes(k, entries, replicas)
 
+    def bucket_overhead_bytes(self, bucket, replicas):
+        """Bytes a worker sends per bucket beyond `bytes` (a per-member scale): none by default."""
+        return 0.0
+
     def carry_bytes(self, entries, replicas):
         """Bytes a worker sends for `entries` float32 entries carried in `send`."""
         return ring_all_reduce_bytes(4.0 * entries, replicas)

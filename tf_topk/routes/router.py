@@ -9,9 +9,11 @@ from tf_topk.routes.agreed import AgreedIndexRoute, AgreedOrDenseRoute
 from tf_topk.routes.allgather import AllGatherRoute
 from tf_topk.routes.base import ring_all_reduce_bytes
 from tf_topk.routes.dense import Bfloat16DenseRoute, DenseRoute
+from tf_topk.routes.packed import Int8AllGatherRoute
 
-ROUTES = {route.name: route for route in (DenseRoute(), AllGatherRoute(), AgreedIndexRoute(), Bfloat16DenseRoute())}
-MODES = tuple(ROUTES)  # ("dense", "allgather", "allreduce", "dense_bf16")
+ROUTES = {route.name: route for route in (DenseRoute(), AllGatherRoute(), AgreedIndexRoute(), Bfloat16DenseRoute(),
+                                          Int8AllGatherRoute())}
+MODES = tuple(ROUTES)  # ("dense", "allgather", "allreduce", "dense_bf16", "allgather_int8")
 MODE_CODES = {name: route.code for name, route in ROUTES.items()}  # the "exchange_mode" statistic
 
 # What one more collective per step is worth in bytes: its latency (rounds of
