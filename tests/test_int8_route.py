@@ -198,3 +198,21 @@ def test_no_density_given_takes_the_fixed_default_on_two_replicas(units):
     for variable in model.trainable_variables:
         first, second = (local.numpy() for local in strategy.experimental_local_results(variable.value))
         np.testing.assert_array_equal(first, second)
+
+
+@pytest.mark.parametrize("dtype", [tf.float64, tf.float16, tf.bfloat16])
+def test_variables_of_other_float_dtypes_send_their_grid(dtype):
+    """A sparsified float64, float16 or bfloat16 variable: its k largest, rounded to their grid, come back in
+    its dtype, and the rest with the rounding error stays in its residual."""
+    variable = tf.Variable(tf.zeros([ENTRIES], dtype))
+    exchange = tf_topk.SparseExchange([variable], density=DENSITY, min_size=1, method="exact",
+                                      exchange_mode="allgather_int8", density_warmup_steps=0)
+    grad = tf.cast(gradient(0, 0), dtype)
+    sent = exchange([grad]).grads[0]
+    flat = grad.numpy().astype(np.float32)
+    chosen = np.argsort(-np.abs(flat))[:6]
+    expected = np.zeros(ENTRIES, np.float32)
+    expected[chosen] = on_grid(flat[chosen])
+    assert sent.dtype == dtype
+    np.testing.assert_array_equal(sent.numpy().astype(np.float32), expected)
+    np.testing.assert_allclose(exchange.residuals[0].numpy().astype(np.float32), flat - expected, atol=1e-2)

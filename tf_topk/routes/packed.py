@@ -53,10 +53,10 @@ def decoded(codes, exponent):
 
 
 def rounded_to_grid(values):
-    """`values` (float32) on their own grid: what a replica sends of them. Non-finite values stay as
-    they are (the step is then skipped on every replica)."""
+    """`values` on their own grid, in their dtype: what a replica sends of them. Non-finite values stay
+    as they are (the step is then skipped on every replica)."""
     exponent = value_exponent(values)
-    on_grid = decoded(value_codes(values, exponent), exponent)
+    on_grid = tf.cast(decoded(value_codes(values, exponent), exponent), values.dtype)
     return tf.where(tf.math.is_finite(values), on_grid, values)
 
 
