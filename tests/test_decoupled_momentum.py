@@ -16,7 +16,9 @@ import scipy.fft
 import tensorflow as tf
 import tf_keras
 
-from test_exchange_matrix import mirrored_strategy  # makes the logical CPUs at import
+from logical_cpus import mirrored_on_cpus, split_cpu
+
+split_cpu(3)  # before TensorFlow starts
 
 import tf_topk
 import tf_topk.tf_keras
@@ -107,8 +109,9 @@ def gradients(replicas):
 
 @functools.lru_cache(maxsize=None)
 def strategy_of(replicas):
-    """One strategy per replica count in this process (two of one size would share collective keys)."""
-    return mirrored_strategy(replicas)
+    """One strategy per replica count in this process, with collective keys of this module's own (two of one
+    size would share them, as would another module's)."""
+    return mirrored_on_cpus(replicas, 9_000_000 + 100_000 * replicas)
 
 
 def run_replicas(replicas, exchange_mode, api="keras"):
