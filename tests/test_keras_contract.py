@@ -143,6 +143,30 @@ def test_a_float64_variable_takes_a_float32_gradient_as_keras_casts_it():
     np.testing.assert_allclose(variables[1].numpy(), 0.95)
 
 
+
+@pytest.mark.parametrize("method", ["AdamW's default (decoupled momentum)", "SGD's sparse updates",
+                                    "Adam's momentum correction", "SGD with momentum"])
+def test_a_tf_variable_trains_as_a_keras_variable_does(method):
+    """Keras's optimizers take a tf.Variable as they take a keras.Variable; so does the wrapper on the
+    paths that update a variable itself (decoupled momentum's sign step and the sparse updates read the
+    tf.Variable behind a Keras one, which a tf.Variable is already)."""
+    make = {"AdamW's default (decoupled momentum)": lambda: tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3),
+                                                                                   density=0.01),
+            "SGD's sparse updates": lambda: tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.01,
+                                                                  sparse_updates=True),
+            "Adam's momentum correction": lambda: tf_topk.TopKOptimizer(keras.optimizers.Adam(1e-3), density=0.01,
+                                                                        momentum_correction=True),
+            "SGD with momentum": lambda: tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
+                                                               density=0.01)}[method]
+    grads = [tf.constant(np.random.default_rng(step).standard_normal([64, 64]), tf.float32) for step in range(3)]
+    finals = []
+    for variable in (keras.Variable(np.ones([64, 64], np.float32)), tf.Variable(tf.ones([64, 64]))):
+        optimizer = make()
+        for grad in grads:
+            optimizer.apply_gradients([(grad, variable)])
+        finals.append(variable.numpy())
+    assert np.count_nonzero(finals[0] != 1.0) > 0
+    np.testing.assert_allclose(finals[1], finals[0], rtol=1e-6, atol=1e-7)
 def test_no_gradient_is_keras_error_and_a_missing_one_keras_warning():
     optimizer = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=1.0)
     variables = [keras.Variable(np.ones(8, np.float32)), keras.Variable(np.ones(8, np.float32))]

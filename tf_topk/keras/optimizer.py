@@ -355,7 +355,9 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         return variable
 
     def _tf_variable(self, variable):
-        return variable.value
+        """The tf.Variable behind a Keras variable; a tf.Variable (which Keras's
+        own optimizers take too) is its own."""
+        return variable.value if isinstance(variable, keras.Variable) else variable
 
     @property
     def variables(self):
@@ -567,7 +569,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
                                              args=(grad,), group=False)
 
         tf.__internal__.distribute.interim.maybe_merge_call(update, tf.distribute.get_strategy(),
-                                                           [(g, v.value) for g, v in pairs])
+                                                           [(g, self._tf_variable(v)) for g, v in pairs])
 
     def apply_gradients(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
