@@ -10,6 +10,8 @@ VARIANT, and prints {"variant", "density", "seed", "dataset", "steps", "replicas
 seed. VARIANT is a name and options, `name:key=value,...`:
 
     dense                      the inner AdamW alone
+    lion                       Keras's Lion at AdamW's rate and weight decay, dense (a sign method
+                               with no compression: what the sign step costs by itself)
     topk_ef                    top-k + error feedback in front of AdamW (decoupled_momentum=False)
     mc                         Adam's momentum correction (vw=: its variance warm-up, default 10%)
     demo                       decoupled momentum (the library's DecoupledMomentumMemory); options:
@@ -104,11 +106,14 @@ def pair_bytes(value_bits, chunk, scale_bits=16):
 
 
 
+UNCOMPRESSED = ("dense", "lion")  # Keras's optimizers alone: no TopKOptimizer, no compression statistics
+
+
 def make_builder(variant, density):
     """optimizer_for(keras, args) of one variant (see the module's docstring)."""
     name, _, text = variant.partition(":")
     options = dict(pair.split("=") for pair in text.split(",") if pair)
-    known = {"dense", "topk_ef", "mc", "demo", "demoq"}
+    known = {"dense", "lion", "topk_ef", "mc", "demo", "demoq"}
     if name not in known:
         raise SystemExit(f"unknown variant {name!r}: one of {', '.join(sorted(known))}")
 
@@ -120,6 +125,8 @@ def make_builder(variant, density):
         inner = convergence.make_inner(keras, args, args.steps)
         if name == "dense":
             return inner
+        if name == "lion":
+            return keras.optimizers.Lion(args.learning_rate, weight_decay=args.weight_decay)
         warm = options.get("warm", "auto")
         common = dict(density=density, density_warmup_steps=warm if warm == "auto" else int(warm),
                       exchange_mode=options.get("mode", "auto"))
@@ -134,9 +141,34 @@ def make_builder(variant, density):
             def apply_sparse(self, slot, summed, keep):
                 return scale * super().apply_sparse(slot, summed, keep)
 
-        memory = (Scaled if scale != 1.0 else DecoupledMomentumMemory)(
+        class ThroughInner(DecoupledMomentumMemory):
+            applies_update = False  # the decoded sum goes to the inner optimizer as the gradient
+
+        class RootMeanSquare(DecoupledMomentumMemory):
+            def apply_sparse(self, slot, summed, keep):
+                decoded = super().apply_sparse(slot, summed, keep)  # sign=False: the decoded sum
+                return scale * decoded * tf.math.rsqrt(tf.reduce_mean(tf.square(decoded)) + 1e-30)
+
+        beta = float(options.get("smooth", 0.0))
+
+        class SmoothedSign(DecoupledMomentumMemory):
+            def build(self, variables, make_state):
+                super().build(variables, make_state)
+                self.smoothed = [make_state(v, tf.float32, "smoothed_sign", True) for v in variables]
+
+            def apply_sparse(self, slot, summed, keep):
+                average = self.smoothed[slot]
+                new = beta * average + (1.0 - beta) * tf.cast(super().apply_sparse(slot, summed, keep), tf.float32)
+                with tf.control_dependencies([average.assign(new)]):
+                    return tf.cast(tf.identity(new), summed.dtype)
+
+        through_inner = options.get("inner", "0") == "1"
+        rms = options.get("rms", "0") == "1"
+        memory = (ThroughInner if through_inner else RootMeanSquare if rms else SmoothedSign if beta else
+                  Scaled if scale != 1.0
+                  else DecoupledMomentumMemory)(
             decay=float(options.get("decay", 0.999)), chunk=int(options.get("chunk", 64)),
-            sign=options.get("sign", "1") == "1")
+            sign=options.get("sign", "0" if through_inner or rms else "1") == "1")
         if name == "demo":
             return tf_topk.TopKOptimizer(inner, memory=memory, **common)
         selector = QuantizedChunkSelector(int(options.get("qchunk", 4096)), int(options["bits"]) if "bits" in options
@@ -157,7 +189,8 @@ def run(variant, density, seeds, argv):
     build = make_builder(variant, density)
     for seed in seeds:
         started = time.monotonic()
-        result = convergence.train_one("dense" if variant == "dense" else "trial", density, seed, data, args,
+        uncompressed = variant.partition(":")[0] in UNCOMPRESSED
+        result = convergence.train_one("dense" if uncompressed else "trial", density, seed, data, args,
                                        strategy, optimizer_for=build)
         print(json.dumps({"variant": variant, "density": density, "seed": seed, "dataset": args.dataset,
                           "steps": args.steps, "replicas": args.replicas, "final": result["val_loss"][-1],

@@ -66,12 +66,56 @@ def test_an_unknown_variant_is_named():
 
 
 @pytest.mark.slow
-def test_a_tiny_run_prints_one_line_per_seed():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "run", "demoq:bits=8,qchunk=4096", "0.03", "0,1", "--",
+@pytest.mark.parametrize("variant, density", [("demoq:bits=8,qchunk=4096", "0.03"), ("lion", "0.01")])
+def test_a_tiny_run_prints_one_line_per_seed(variant, density):
+    """A compressed variant and the uncompressed sign baseline (no compression statistics to read)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "run", variant, density, "0,1", "--",
                            "--dataset", "text", "--steps", "20", "--eval-every", "10"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [(r["variant"], r["seed"], r["steps"], len(r["curve"])) for r in runs] == [
-        ("demoq:bits=8,qchunk=4096", 0, 20, 2), ("demoq:bits=8,qchunk=4096", 1, 20, 2)]
+        (variant, 0, 20, 2), (variant, 1, 20, 2)]
     assert all(r["final"] < r["curve"][0] < 5.6 for r in runs)
+
+
+def first_step(variant, gradient):
+    """The move of a 64x64 variable by one step of `variant` at density 0.01 on `gradient`, with the
+    text task's AdamW (rate 1e-3) and no weight decay, and the optimizer."""
+    from tf_topk.bench import convergence
+
+    import keras
+
+    args = convergence.parse_args(["--dataset", "text", "--steps", "20", "--weight-decay", "0"])
+    optimizer = candidates.make_builder(variant, 0.01)(keras, args)
+    variable = tf.Variable(tf.ones([64, 64]))
+    optimizer.apply_gradients([(tf.constant(gradient), variable)])
+    return variable.numpy() - 1.0, optimizer
+
+
+GRADIENT = np.random.default_rng(0).standard_normal([64, 64]).astype(np.float32)
+
+
+def test_the_root_mean_square_step_moves_the_variable_by_the_rate_in_mean_square():
+    move, _ = first_step("demo:rms=1", GRADIENT)
+    assert np.sqrt(np.mean(move ** 2)) == pytest.approx(1e-3, rel=1e-3)
+    assert len(np.unique(np.round(np.abs(move[move != 0]), 9))) > 2  # magnitudes, not only the sign's
+
+
+def test_the_smoothed_sign_starts_at_a_tenth_of_the_signs_step():
+    move, _ = first_step("demo:smooth=0.9", GRADIENT)
+    assert np.count_nonzero(move) > 0
+    np.testing.assert_allclose(np.abs(move[move != 0]), 1e-4, rtol=1e-3)
+
+
+def test_the_decoded_sum_can_go_to_the_inner_adamw():
+    move, optimizer = first_step("demo:inner=1", GRADIENT)
+    moments = [v for v in optimizer.inner_optimizer.variables if "momentum" in v.name]
+    assert moments and any(np.count_nonzero(v.numpy()) for v in moments)  # AdamW saw the decoded sum
+    assert np.count_nonzero(move) > 0
+
+
+def test_lion_is_the_dense_sign_baseline():
+    move, optimizer = first_step("lion", GRADIENT)
+    assert type(optimizer).__name__ == "Lion"
+    np.testing.assert_allclose(np.abs(move), 1e-3, rtol=1e-3)  # Lion's first step: the gradient's sign

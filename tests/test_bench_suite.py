@@ -128,3 +128,21 @@ def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         suite.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_error_feedback_in_dct_blocks_sending_everything_is_the_inner_sgd():
+    """The `dct` configuration decodes what was sent and hands it to the inner optimizer: at density
+    1.0 nothing waits in the residual, so the step is the inner SGD's on the gradient itself."""
+    import keras
+    import numpy as np
+
+    args = suite.task_args("digits")
+    optimizer = suite.config_optimizer("dct", 1.0, steps=400, steps_per_epoch=40)(keras, args)
+    plain = keras.optimizers.SGD(args.learning_rate, momentum=args.momentum)
+    ours, theirs = keras.Variable(np.ones([64, 64], np.float32)), keras.Variable(np.ones([64, 64], np.float32))
+    for step in range(3):
+        grad = np.random.default_rng(step).standard_normal([64, 64]).astype(np.float32)
+        optimizer.apply_gradients([(grad, ours)])
+        plain.apply_gradients([(grad, theirs)])
+    assert not np.array_equal(ours.numpy(), np.ones([64, 64]))
+    np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-5)

@@ -122,6 +122,22 @@ def _floored_config(min_k):
     return tf_topk.ExchangeConfig(min_k=min_k)
 
 
+def _dct_error_feedback():
+    from tf_topk.decoupled_momentum import DecoupledMomentumMemory
+
+    class DCTErrorFeedback(DecoupledMomentumMemory):
+        """DeMo's residual (DCT blocks, decay 0.999) with the decoded sum given to the inner optimizer as
+        the gradient, in place of its sign applied by SGD."""
+
+        applies_update = False
+
+        def describe(self):
+            return (f"tf_topk: error feedback in DCT blocks of up to {self.chunk}x{self.chunk} (decay {self.decay:g}), "
+                    "the decoded sum the inner optimizer's gradient")
+
+    return DCTErrorFeedback(sign=False)
+
+
 CONFIGS = {
     "default": Config("TopKOptimizer(inner, density=d), every other option the library's default",
                       lambda d, steps, epoch: {"density": d}),
@@ -153,6 +169,9 @@ CONFIGS = {
     "int8": Config("the default's bytes in 4-byte pairs: density 2d on exchange_mode='allgather_int8' (values in "
                    "8 bits, the rounding error kept)",
                    lambda d, steps, epoch: {"density": 2 * d, "exchange_mode": "allgather_int8"}),
+    "dct": Config("the default with the residual in DCT blocks of 64 (decoupled momentum's transform and decay "
+                  "0.999) and the decoded sum the inner optimizer's gradient",
+                  lambda d, steps, epoch: {"density": d, "memory": _dct_error_feedback()}),
     "warmup-tenth": Config("the default with its density warm-up over the run's first tenth "
                            "(density_warmup_steps=steps // 10)",
                            lambda d, steps, epoch: {"density": d, "density_warmup_steps": steps // 10}),
