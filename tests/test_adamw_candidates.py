@@ -119,3 +119,72 @@ def test_lion_is_the_dense_sign_baseline():
     move, optimizer = first_step("lion", GRADIENT)
     assert type(optimizer).__name__ == "Lion"
     np.testing.assert_allclose(np.abs(move), 1e-3, rtol=1e-3)  # Lion's first step: the gradient's sign
+
+
+def test_adam_then_sign_steps_as_adam_first():
+    """adam=W: Adam's first step moves each entry by the rate in magnitude where the decoded sum is not
+    zero (m_hat / sqrt(v_hat) = sign at t = 1), as the sign does; its second step on a gradient of the
+    other sign, unlike the sign's, is smaller than the rate (the moments remember the first)."""
+    from tf_topk.bench import convergence
+
+    import keras
+
+    args = convergence.parse_args(["--dataset", "text", "--steps", "20", "--weight-decay", "0"])
+    moves = {}
+    for variant in ("demo:adam=5,warm=0", "demo:warm=0"):
+        optimizer = candidates.make_builder(variant, 1.0)(keras, args)
+        variable = tf.Variable(tf.ones([64, 64]))
+        steps = []
+        for gradient in (GRADIENT, -0.5 * GRADIENT):
+            before = variable.numpy()
+            optimizer.apply_gradients([(tf.constant(gradient), variable)])
+            steps.append(variable.numpy() - before)
+        moves[variant] = steps
+    adam, sign = moves["demo:adam=5,warm=0"], moves["demo:warm=0"]
+    np.testing.assert_allclose(adam[0], sign[0], atol=2e-6)  # density 1: the decoded sum is the gradient
+    np.testing.assert_allclose(np.abs(sign[1]), 1e-3, rtol=1e-3)
+    assert np.max(np.abs(adam[1])) < 0.9e-3
+
+
+def test_rows_apart_transforms_embedding_tables_along_their_last_axis_only():
+    memory = candidates.decoupled_memory({"rows": "embeddings"})
+    table = tf.Variable(tf.zeros([256, 128]), name="embeddings")
+    kernel = tf.Variable(tf.zeros([128, 512]), name="kernel")
+    memory.build([table, kernel], lambda v, dtype, suffix, replicated=False: tf.Variable(tf.zeros(v.shape, dtype)))
+    assert [(t.row_side, t.column_side) for t in memory.transforms] == [(1, 64), (64, 64)]
+    flat = tf.constant(np.random.default_rng(1).standard_normal(256 * 128).astype(np.float32))
+    np.testing.assert_allclose(memory.transforms[0].inverse(memory.transforms[0].forward(flat)), flat, atol=1e-5)
+    memory = candidates.decoupled_memory({"vocab": "256"})
+    output = tf.Variable(tf.zeros([128, 256]), name="kernel")
+    memory.build([table, kernel, output], lambda v, dtype, suffix, replicated=False: tf.Variable(tf.zeros(v.shape, dtype)))
+    assert [(t.row_side, t.column_side) for t in memory.transforms] == [(1, 64), (64, 64), (64, 1)]
+    with pytest.raises(SystemExit, match="at most one of"):
+        candidates.decoupled_memory({"rows": "1", "adam": "400"})
+
+
+def test_dense_adam_first_is_keras_adamw_then_the_sign():
+    """dense=W: the first W steps send every entry and move the variable as Keras's AdamW does (the
+    residual stays empty); the step after them is DeMo's sign step of the rate."""
+    from tf_topk.bench import convergence
+
+    import keras
+
+    args = convergence.parse_args(["--dataset", "text", "--steps", "20", "--weight-decay", "0"])
+    gradients = [GRADIENT, -0.5 * GRADIENT, 0.3 * GRADIENT + 0.1, GRADIENT[::-1].copy()]
+    trial = candidates.make_builder("demo:dense=3,warm=0", 0.01)(keras, args)
+    adamw = keras.optimizers.AdamW(1e-3, weight_decay=0.0)
+    ours, theirs = tf.Variable(tf.ones([64, 64])), tf.Variable(tf.ones([64, 64]))
+    for gradient in gradients[:3]:
+        trial.apply_gradients([(tf.constant(gradient), ours)])
+        adamw.apply_gradients([(tf.constant(gradient), theirs)])
+        np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=0, atol=1e-6)  # steps of 1e-3; the DCT round trip
+    residual = next(v for v in trial.variables if "residual" in v.name and tuple(v.shape) == (64, 64))
+    assert not np.count_nonzero(residual.numpy())  # every entry was sent
+    before = ours.numpy()
+    trial.apply_gradients([(tf.constant(gradients[3]), ours)])
+    assert np.count_nonzero(residual.numpy())  # from here on, DeMo keeps what it did not send
+    move = ours.numpy() - before
+    np.testing.assert_allclose(np.abs(move[move != 0]), 1e-3, rtol=1e-3)
+    assert np.count_nonzero(move) > 0.9 * move.size  # the sign of a decoded sum moves (almost) every entry
+    with pytest.raises(SystemExit, match="at most one of"):
+        candidates.decoupled_memory({"dense": "400", "adam": "400"})

@@ -101,3 +101,11 @@ def reference_unscaled(replicas):
             residuals[replica][chosen] = 0.0
         variable -= RATE * DECAY ** step * summed
     return variable
+
+
+def test_the_eight_bit_configuration_is_the_recipe_at_twice_the_pairs_for_the_same_bytes(installed):
+    options = rescaled_correction_trial.suite.CONFIGS["mlp-recipe-rescaled-int8"].options(0.001, 400, 10)
+    recipe = rescaled_correction_trial.suite.CONFIGS["mlp-recipe-rescaled"].options(0.001, 400, 10)
+    assert options["exchange_mode"] == "allgather_int8" and options["momentum_correction"] is True
+    assert options["density"][-1] == (40, pytest.approx(0.002)) and recipe["density"][-1] == (40, pytest.approx(0.001))
+    assert "exchange_mode" not in recipe
