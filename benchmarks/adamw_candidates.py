@@ -23,7 +23,9 @@ seed. VARIANT is a name and options, `name:key=value,...`:
                                the sign), dense=W (every entry sent and dense AdamW for the first W
                                steps, then DeMo), rows=1 or rows=embeddings (the DCT along the last axis only,
                                for every variable or for embedding tables), vocab=N (no DCT along a
-                               side of N entries: an embedding table's rows, the output's columns)
+                               side of N entries: an embedding table's rows, the output's columns),
+                               apart=0 (2-D blocks for embedding tables too: the default until
+                               2026-12-04, which every demo figure before that date measured)
     demoq                      demo with a chunk-wise selection (QuantizedChunkSelector: qchunk= entries a
                                chunk, bits= 8, 4 or 2 for quantized values)
 
@@ -242,7 +244,7 @@ class RowsApart(DecoupledMomentumMemory):
     layer's columns)."""
 
     def __init__(self, rows=None, vocabulary=None, **options):
-        super().__init__(**options)
+        super().__init__(**{**options, "embedding_rows_apart": False})  # these rules alone, as measured
         if rows not in (None, "1", "embeddings"):
             raise SystemExit(f"rows= takes 1 or embeddings, got {rows!r}")
         self.rows, self.vocabulary = rows, vocabulary
@@ -269,7 +271,8 @@ def decoupled_memory(options):
                          f"{', '.join(special)}")
     through_inner, rms = options.get("inner", "0") == "1", options.get("rms", "0") == "1"
     common = dict(decay=float(options.get("decay", 0.999)), chunk=int(options.get("chunk", 64)),
-                  sign=options.get("sign", "0" if through_inner or rms else "1") == "1")
+                  sign=options.get("sign", "0" if through_inner or rms else "1") == "1",
+                  embedding_rows_apart=options.get("apart", "1") == "1")
     scale = float(options.get("scale", 1.0))
     if through_inner:
         return ThroughInner(**common)

@@ -188,3 +188,13 @@ def test_dense_adam_first_is_keras_adamw_then_the_sign():
     assert np.count_nonzero(move) > 0.9 * move.size  # the sign of a decoded sum moves (almost) every entry
     with pytest.raises(SystemExit, match="at most one of"):
         candidates.decoupled_memory({"dense": "400", "adam": "400"})
+
+
+def test_the_default_keeps_embedding_rows_apart_and_apart_0_measures_the_old_default():
+    table = tf.Variable(tf.zeros([256, 128]), name="embeddings")
+    sides = {}
+    for text in ("", "apart=0"):
+        memory = candidates.decoupled_memory(dict(pair.split("=") for pair in text.split(",") if pair))
+        memory.build([table], lambda v, dtype, suffix, replicated=False: tf.Variable(tf.zeros(v.shape, dtype)))
+        sides[text] = (memory.transforms[0].row_side, memory.transforms[0].column_side)
+    assert sides == {"": (1, 64), "apart=0": (64, 64)}

@@ -22,7 +22,8 @@ split_cpu(3)  # before TensorFlow starts
 
 import tf_topk
 import tf_topk.tf_keras
-from tf_topk.decoupled_momentum import DEFAULT_DECAY, BlockDCT, DecoupledMomentumMemory, block_side
+from tf_topk.decoupled_momentum import (DEFAULT_DECAY, BlockDCT, DecoupledMomentumMemory, block_side,
+                                        is_embedding_table)
 
 LR, WEIGHT_DECAY, DENSITY, MIN_SIZE, STEPS = 0.01, 0.1, 1 / 128, 1000, 4
 # (shape, sparsified): 2048 and 2304 entries (k = 16 and 18 exactly; blocks 64x32 and 48x48), a bias.
@@ -54,6 +55,55 @@ def test_the_block_dct_is_scipys_orthonormal_dct_per_block_and_inverts(shape):
     np.testing.assert_allclose(transform.inverse(tf.constant(coefficients)).numpy(), x, rtol=1e-4, atol=1e-5)
     # Orthonormal: the energy is kept.
     assert math.isclose(float(np.sum(coefficients ** 2)), float(np.sum(x ** 2)), rel_tol=1e-4)
+
+
+def test_an_embedding_tables_blocks_are_one_row_high_and_invert():
+    x = np.random.default_rng(1).standard_normal(256 * 128).astype(np.float32)
+    transform = BlockDCT((256, 128), rows_apart=True)
+    assert (transform.row_side, transform.column_side) == (1, 64)
+    coefficients = transform.forward(tf.constant(x)).numpy()
+    rows = x.astype(np.float64).reshape(256, 2, 64)  # each row's two blocks of 64, in order
+    np.testing.assert_allclose(coefficients, scipy.fft.dct(rows, axis=2, norm="ortho").reshape(-1), rtol=1e-4,
+                               atol=1e-5)
+    np.testing.assert_allclose(transform.inverse(tf.constant(coefficients)).numpy(), x, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variable, table", [
+    (keras.layers.Embedding(16, 8, name="tokens"), True),
+    (tf.Variable(tf.zeros([16, 8]), name="model/embedding/embeddings"), True),
+    (keras.layers.Dense(8, name="embeddings_head"), False),
+    (tf.Variable(tf.zeros([16, 8]), name="kernel"), False),
+])
+def test_embedding_tables_are_found_by_keras_name(variable, table):
+    if isinstance(variable, keras.layers.Layer):
+        variable.build((None,) if isinstance(variable, keras.layers.Embedding) else (None, 4))
+        variable = variable.weights[0]
+    assert is_embedding_table(variable) is table
+
+
+def untouched_rows_move(embedding_rows_apart):
+    """One DeMo step on a 64x64 embedding table whose gradient is zero outside rows 0-31 (tokens no
+    batch held): the largest move of rows 32-63, and of rows 0-31."""
+    model = keras.Sequential([keras.Input((1,), dtype="int32"), keras.layers.Embedding(64, 64)])
+    table = model.layers[0].embeddings
+    memory = DecoupledMomentumMemory(embedding_rows_apart=embedding_rows_apart)
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01, weight_decay=0.0), density=1 / 64,
+                                      density_warmup_steps=0, min_size=1, memory=memory)
+    gradient = np.zeros([64, 64], np.float32)
+    gradient[:32] = np.random.default_rng(2).standard_normal([32, 64])
+    before = table.numpy()
+    optimizer.apply_gradients([(tf.constant(gradient), table)])
+    move = np.abs(table.numpy() - before)
+    return move[32:].max(), move[:32].max()
+
+
+def test_rows_no_batch_touched_stay_where_they_are():
+    """Rows apart, a row whose token was in no batch does not move (as under dense AdamW); in 2-D
+    blocks it moves by the full rate, the sign of its neighbours' momentum."""
+    untouched, touched = untouched_rows_move(embedding_rows_apart=True)
+    assert untouched == 0.0 and touched == pytest.approx(0.01, rel=1e-4)
+    untouched, touched = untouched_rows_move(embedding_rows_apart=False)
+    assert untouched == pytest.approx(0.01, rel=1e-4)
 
 
 def test_block_sides_are_the_largest_divisors_up_to_the_chunk():
@@ -286,6 +336,8 @@ def test_bad_values_are_named():
         DecoupledMomentumMemory(chunk=0)
     with pytest.raises(ValueError, match=r"momentum must be a float in \(0, 1\), got 1.5"):
         DecoupledMomentumMemory(decay=1.5)
+    with pytest.raises(ValueError, match="embedding_rows_apart must be True or False, got 'yes'"):
+        DecoupledMomentumMemory(embedding_rows_apart="yes")
 
 
 def test_decoupled_momentum_without_a_density_takes_the_fixed_default():

@@ -15,7 +15,8 @@ is (Signum).
 The transform is a 2-D DCT-II (orthonormal) over blocks of at most `chunk` x `chunk` entries of the
 variable seen as a matrix (its last axis the columns, the others the rows), each side the largest
 divisor of that dimension up to `chunk`; a block's coefficients are contiguous in the flat order the
-exchange selects from. The DCT is linear, so the momentum can live in the transformed space, and the
+exchange selects from. An embedding table's rows are unrelated tokens (or positions), so its blocks
+are one row high: a 2-D block would move a row by the sign of its neighbours' momentum. The DCT is linear, so the momentum can live in the transformed space, and the
 sum over replicas of what they sent is the transform of the sum.
 """
 
@@ -44,15 +45,24 @@ def dct_matrix(size):
     return matrix.astype(np.float32)
 
 
-class BlockDCT:
-    """The blockwise 2-D DCT of one variable's shape, and its inverse, on flat tensors."""
+def is_embedding_table(variable):
+    """Whether `variable` is an embedding table: named `embeddings`, as Keras's Embedding names its
+    table (a Keras variable's path `.../embeddings`, a tf.Variable's name `.../embeddings:0`)."""
+    name = getattr(variable, "path", None) or getattr(variable, "name", None) or ""
+    return name.split(":")[0].rsplit("/", 1)[-1] == "embeddings"
 
-    def __init__(self, shape, chunk=DEFAULT_CHUNK):
+
+class BlockDCT:
+    """The blockwise 2-D DCT of one variable's shape, and its inverse, on flat tensors
+    (`rows_apart`: blocks one row high, a DCT along each row only)."""
+
+    def __init__(self, shape, chunk=DEFAULT_CHUNK, rows_apart=False):
         shape = [int(d) for d in shape]
         columns = shape[-1] if shape else 1
         rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
         self.rows, self.columns = rows, columns
-        self.row_side, self.column_side = block_side(rows, chunk), block_side(columns, chunk)
+        self.row_side = 1 if rows_apart else block_side(rows, chunk)
+        self.column_side = block_side(columns, chunk)
         self._row_matrix = tf.constant(dct_matrix(self.row_side))
         self._column_matrix = tf.constant(dct_matrix(self.column_side))
 
@@ -81,27 +91,35 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
       decay: beta, the momentum's decay (DeMo's 0.999).
       chunk: the largest block side of the DCT (DeMo's 64).
       sign: apply the sign of the decoded sum (DeMo's default) rather than the sum itself.
+      embedding_rows_apart: an embedding table's (`is_embedding_table`) blocks are one row high, so
+        that no row moves by its neighbours' momentum; False: 2-D blocks for every variable, as DeMo.
     """
 
     applies_update = True
 
-    def __init__(self, decay=DEFAULT_DECAY, chunk=DEFAULT_CHUNK, sign=True):
+    def __init__(self, decay=DEFAULT_DECAY, chunk=DEFAULT_CHUNK, sign=True, embedding_rows_apart=True):
         super().__init__()
         self.decay = check_momentum(decay)
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+        if not isinstance(embedding_rows_apart, bool):
+            raise ValueError(f"embedding_rows_apart must be True or False, got {embedding_rows_apart!r}")
         self.chunk = chunk
         self.sign = bool(sign)
+        self.embedding_rows_apart = embedding_rows_apart
         self.transforms = None
 
     def build(self, variables, make_state):
         super().build(variables, make_state)
-        self.transforms = [BlockDCT(v.shape, self.chunk) for v in variables]
+        self.transforms = [BlockDCT(v.shape, self.chunk, self.embedding_rows_apart and is_embedding_table(v))
+                           for v in variables]
 
     def describe(self):
         """The line the chief prints when the exchange is made: what runs, and how to switch it off."""
         return (f"tf_topk: decoupled momentum (DeMo) for the sparsified variables: each replica's momentum "
-                f"(decay {self.decay:g}) in DCT blocks of up to {self.chunk}x{self.chunk}, its top-k sent, the sign "
+                f"(decay {self.decay:g}) in DCT blocks of up to {self.chunk}x{self.chunk}"
+                f"{' (an embedding table: 1x' + str(self.chunk) + ')' if self.embedding_rows_apart else ''}"
+                ", its top-k sent, the sign "
                 f"of their sum applied at the learning rate{'' if self.sign else ' (the sum itself: sign=False)'}; "
                 "decoupled_momentum=False for top-k in front of the inner optimizer")
 
