@@ -224,16 +224,13 @@ class DenseAdamFirst(AdamThenSign):
         return first * (tf.sqrt(1.0 - self.BETA_2 ** t) / (1.0 - self.BETA_1 ** t)) / (tf.sqrt(second) + self.EPSILON)
 
 
-class OneAxisDCT(BlockDCT):
-    """A DCT along one side of the matrix only (`keep`: "rows", blocks of one row, or "columns"): no
-    mixing along the other, e.g. of an embedding table's tokens."""
+class ColumnsApartDCT(BlockDCT):
+    """A DCT along each column only (blocks one column wide): no mixing along the last axis, e.g. of
+    the output layer's vocabulary. (Rows apart is BlockDCT's `rows_apart`.)"""
 
-    def __init__(self, shape, chunk, keep="columns"):
+    def __init__(self, shape, chunk):
         super().__init__(shape, chunk)
-        if keep == "columns":
-            self.row_side, self._row_matrix = 1, tf.constant(dct_matrix(1))
-        else:
-            self.column_side, self._column_matrix = 1, tf.constant(dct_matrix(1))
+        self.column_side, self._column_matrix = 1, tf.constant(dct_matrix(1))
 
 
 class RowsApart(DecoupledMomentumMemory):
@@ -255,11 +252,11 @@ class RowsApart(DecoupledMomentumMemory):
             shape = [int(d) for d in variable.shape]
             if self.vocabulary is not None:
                 if len(shape) == 2 and shape[0] == self.vocabulary:
-                    self.transforms[slot] = OneAxisDCT(shape, self.chunk, keep="columns")
+                    self.transforms[slot] = BlockDCT(shape, self.chunk, rows_apart=True)
                 elif len(shape) >= 2 and shape[-1] == self.vocabulary:
-                    self.transforms[slot] = OneAxisDCT(shape, self.chunk, keep="rows")
+                    self.transforms[slot] = ColumnsApartDCT(shape, self.chunk)
             elif self.rows == "1" or "embeddings" in (getattr(variable, "path", None) or variable.name):
-                self.transforms[slot] = OneAxisDCT(shape, self.chunk)
+                self.transforms[slot] = BlockDCT(shape, self.chunk, rows_apart=True)
 
 
 def decoupled_memory(options):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import scipy.fft
 import pytest
 import tensorflow as tf
 
@@ -158,6 +159,12 @@ def test_rows_apart_transforms_embedding_tables_along_their_last_axis_only():
     output = tf.Variable(tf.zeros([128, 256]), name="kernel")
     memory.build([table, kernel, output], lambda v, dtype, suffix, replicated=False: tf.Variable(tf.zeros(v.shape, dtype)))
     assert [(t.row_side, t.column_side) for t in memory.transforms] == [(1, 64), (64, 64), (64, 1)]
+    flat = tf.reshape(tf.transpose(tf.reshape(flat, [128, 256])), [-1])  # 128x256, the output layer's side
+    np.testing.assert_allclose(memory.transforms[2].inverse(memory.transforms[2].forward(flat)), flat, atol=1e-5)
+    np.testing.assert_allclose(  # along each column only: a column's 64-blocks are scipy's DCT of that column
+        tf.reshape(memory.transforms[2].forward(flat), [2, 256, 64])[:, 5, :],  # blocks [I, J, a, b], b = 1
+        scipy.fft.dct(tf.reshape(flat, [2, 64, 256])[:, :, 5].numpy().astype(np.float64), axis=1, norm="ortho"),
+        rtol=1e-4, atol=1e-5)
     with pytest.raises(SystemExit, match="at most one of"):
         candidates.decoupled_memory({"rows": "1", "adam": "400"})
 

@@ -3,7 +3,8 @@
 
 One process, logical CPUs (MirroredStrategy): each replica gets its own gradients, applied through
 `TopKOptimizer(AdamW, ...)`; the reference keeps each replica's momentum in the DCT's space, takes its
-exact top-k, and applies the sign of the decoded sum at the learning rate after AdamW's decay.
+exact top-k, and applies the sign of the decoded sum at the learning rate after AdamW's decay; one of the
+variables is an embedding table (named `embeddings`), whose DCT runs along each row.
 """
 
 import functools
@@ -26,22 +27,35 @@ from tf_topk.decoupled_momentum import (DEFAULT_DECAY, BlockDCT, DecoupledMoment
                                         is_embedding_table)
 
 LR, WEIGHT_DECAY, DENSITY, MIN_SIZE, STEPS = 0.01, 0.1, 1 / 128, 1000, 4
-# (shape, sparsified): 2048 and 2304 entries (k = 16 and 18 exactly; blocks 64x32 and 48x48), a bias.
-SHAPES = [((64, 32), True), ((6, 8, 48), True), ((8,), False)]
+# (shape, sparsified): 2048 and 2304 entries (k = 16 and 18 exactly; blocks 64x32 and 48x48), a bias, and
+# an embedding table of 2304 entries (k = 18) named as Keras names one, so its blocks are 1x24.
+SHAPES = [((64, 32), True), ((6, 8, 48), True), ((8,), False), ((96, 24), True)]
+BIAS, TABLE = 2, 3
+SPARSIFIED = [v for v, (_, sparse) in enumerate(SHAPES) if sparse]  # the exchange's slots, in order
 NAN_STEP = 2  # one replica's gradient holds a NaN: the step is skipped on every replica
 
 
-def reference_dct(flat, shape):
-    """The blockwise orthonormal 2-D DCT-II by scipy, in BlockDCT's layout (each block contiguous)."""
+def reference_sides(shape, rows_apart):
     rows, columns = int(np.prod(shape[:-1])) if len(shape) > 1 else 1, shape[-1]
-    a, b = block_side(rows, 64), block_side(columns, 64)
+    return rows, columns, 1 if rows_apart else block_side(rows, 64), block_side(columns, 64)
+
+
+def reference_dct(flat, shape, rows_apart=False):
+    """The blockwise orthonormal 2-D DCT-II by scipy, in BlockDCT's layout (each block contiguous)."""
+    rows, columns, a, b = reference_sides(shape, rows_apart)
     blocks = flat.reshape(rows // a, a, columns // b, b).transpose(0, 2, 1, 3)
     return scipy.fft.dctn(blocks, axes=(2, 3), norm="ortho").reshape(-1)
 
 
-def reference_idct(flat, shape):
-    rows, columns = int(np.prod(shape[:-1])) if len(shape) > 1 else 1, shape[-1]
-    a, b = block_side(rows, 64), block_side(columns, 64)
+def reference_touched(flat, shape, rows_apart=False):
+    """Per entry, in the variable's layout: whether its DCT block holds a nonzero coefficient."""
+    rows, columns, a, b = reference_sides(shape, rows_apart)
+    touched = np.any(flat.reshape(rows // a, columns // b, a, b) != 0, axis=(2, 3))
+    return np.broadcast_to(touched[:, None, :, None], (rows // a, a, columns // b, b)).reshape(-1)
+
+
+def reference_idct(flat, shape, rows_apart=False):
+    rows, columns, a, b = reference_sides(shape, rows_apart)
     blocks = scipy.fft.idctn(flat.reshape(rows // a, columns // b, a, b), axes=(2, 3), norm="ortho")
     return blocks.transpose(0, 2, 1, 3).reshape(-1)
 
@@ -112,24 +126,30 @@ def test_block_sides_are_the_largest_divisors_up_to_the_chunk():
 
 class Reference:
     """DeMo on numpy: per replica, m <- decay * m + DCT(g), send the exact top-k of |m|, keep the rest;
-    sparsified variables move by lr * sign(IDCT(sum sent)) after AdamW's decay; the bias by AdamW."""
+    sparsified variables move by lr * sign(IDCT(sum sent)) after AdamW's decay; the bias by AdamW. The
+    embedding table's DCT runs along each row only (`rows_apart`, the default). `ties[v]`: the entries of
+    the last step whose decoded sum is zero in exact arithmetic but not in float (a single coefficient's
+    cosine at a node, common in a row with one coefficient): their sign is rounding's, either move holds."""
 
-    def __init__(self, start, replicas):
+    def __init__(self, start, replicas, rows_apart=True):
         self.weights = [w.astype(np.float64).copy() for w in start]
-        self.momenta = [[np.zeros(w.size) for w, (_, sparse) in zip(start, SHAPES) if sparse]
-                        for _ in range(replicas)]
-        self.adam_m, self.adam_v, self.t = np.zeros(SHAPES[2][0]), np.zeros(SHAPES[2][0]), 0
+        self.momenta = [[np.zeros(start[v].size) for v in SPARSIFIED] for _ in range(replicas)]
+        self.rows_apart = {v: rows_apart and v == TABLE for v in SPARSIFIED}
+        self.adam_m, self.adam_v, self.t = np.zeros(SHAPES[BIAS][0]), np.zeros(SHAPES[BIAS][0]), 0
+        self.ties = {}
 
     def step(self, grads):
         """grads[replica][variable]; a non-finite gradient anywhere skips the step."""
+        self.ties = {}
         if not all(np.isfinite(g).all() for replica in grads for g in replica):
             return
         sums = []
-        for slot, (shape, _) in enumerate(SHAPES[:2]):
+        for slot, v in enumerate(SPARSIFIED):
+            shape = SHAPES[v][0]
             total = np.zeros(int(np.prod(shape)))
             for replica, replica_grads in enumerate(grads):
                 accumulated = DEFAULT_DECAY * self.momenta[replica][slot] + \
-                    reference_dct(replica_grads[slot].astype(np.float64).reshape(-1), shape)
+                    reference_dct(replica_grads[v].astype(np.float64).reshape(-1), shape, self.rows_apart[v])
                 k = round(DENSITY * accumulated.size)
                 top = np.argsort(-np.abs(accumulated))[:k]
                 sent = np.zeros_like(accumulated)
@@ -139,14 +159,18 @@ class Reference:
             sums.append(total)
         for w in self.weights:  # AdamW's decoupled decay, before the update
             w -= LR * WEIGHT_DECAY * w
-        for slot, (shape, _) in enumerate(SHAPES[:2]):
-            self.weights[slot] -= LR * np.sign(reference_idct(sums[slot], shape)).reshape(shape)
-        g = sum(replica[2].astype(np.float64) for replica in grads)
+        for slot, v in enumerate(SPARSIFIED):
+            shape = SHAPES[v][0]
+            decoded = reference_idct(sums[slot], shape, self.rows_apart[v])
+            self.ties[v] = (reference_touched(sums[slot], shape, self.rows_apart[v])
+                            & (np.abs(decoded) < 1e-5 * np.abs(decoded).max())).reshape(shape)
+            self.weights[v] -= LR * np.sign(decoded).reshape(shape)
+        g = sum(replica[BIAS].astype(np.float64) for replica in grads)
         self.t += 1
         self.adam_m += (g - self.adam_m) * 0.1
         self.adam_v += (g * g - self.adam_v) * 0.001
         alpha = LR * math.sqrt(1 - 0.999 ** self.t) / (1 - 0.9 ** self.t)
-        self.weights[2] -= alpha * self.adam_m / (np.sqrt(self.adam_v) + 1e-7)
+        self.weights[BIAS] -= alpha * self.adam_m / (np.sqrt(self.adam_v) + 1e-7)
 
 
 def gradients(replicas):
@@ -173,12 +197,13 @@ def run_replicas(replicas, exchange_mode, api="keras"):
     options = dict(density=DENSITY, method="exact", min_size=MIN_SIZE, density_warmup_steps=0,
                    exchange_mode=exchange_mode)
     with strategy.scope():
+        names = ["embeddings" if v == TABLE else f"weights_{v}" for v in range(len(SHAPES))]
         if api == "keras":
-            variables = [keras.Variable(w) for w in start]
+            variables = [keras.Variable(w, name=name) for w, name in zip(start, names)]
             optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(LR, weight_decay=WEIGHT_DECAY), **options)
             apply = lambda grads: optimizer.apply(grads, variables)  # noqa: E731
         else:
-            variables = [tf.Variable(w) for w in start]
+            variables = [tf.Variable(w, name=name) for w, name in zip(start, names)]
             optimizer = tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.AdamW(LR, weight_decay=WEIGHT_DECAY),
                                                        **options)
             apply = lambda grads: optimizer.apply_gradients(zip(grads, variables))  # noqa: E731
@@ -205,12 +230,20 @@ def test_replicas_match_numpy_demo_through_a_skipped_step(replicas, api):
     start, history, momenta, optimizer = run_replicas(replicas, "allgather", api)
     assert optimizer.decoupled_momentum is True  # chosen by "auto": AdamW at 1/128
     assert isinstance(optimizer.exchange.memory, DecoupledMomentumMemory)
+    assert [t.row_side for t in optimizer.exchange.memory.transforms] == [64, 48, 1]  # the table's rows apart
+    two_d = Reference(start, replicas, rows_apart=False)  # what 2-D blocks would have done to the table
+    two_d.step(gradients(replicas)[0])
+    assert not np.allclose(history[0][TABLE], two_d.weights[TABLE], atol=1e-3)
     reference = Reference(start, replicas)
     for s, (step_grads, weights) in enumerate(zip(gradients(replicas), history)):
         reference.step(step_grads)
         for v, (ours, theirs) in enumerate(zip(weights, reference.weights)):
-            np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5, err_msg=f"step {s}, variable {v}")
-    for slot in range(2):  # each replica keeps its own momentum
+            ties = reference.ties.get(v, np.zeros(ours.shape, bool))
+            assert ties.mean() < 0.01, f"step {s}, variable {v}: {ties.sum()} ties"
+            np.testing.assert_allclose(ours[~ties], theirs[~ties], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"step {s}, variable {v}")
+            theirs[ties] = ours[ties]
+    for slot in range(len(SPARSIFIED)):  # each replica keeps its own momentum
         for replica in range(replicas):
             np.testing.assert_allclose(momenta[slot][replica].reshape(-1), reference.momenta[replica][slot],
                                        rtol=1e-4, atol=1e-5)
@@ -222,16 +255,22 @@ def test_replicas_match_numpy_demo_through_a_skipped_step(replicas, api):
 
 def test_agreed_indices_move_every_sparsified_entry_by_the_learning_rate():
     """With agreed indices each replica sends its own values at the leader's: whatever was chosen, every
-    sparsified entry moves by exactly lr (the sign) beyond the decay, and the replicas stay identical."""
+    entry of a 2-D-blocked variable moves by exactly lr (the sign) beyond the decay; in the embedding
+    table, whole rows move by lr, at most k of them, and the others keep their place (decay aside)."""
     start, history, _, optimizer = run_replicas(2, "allreduce")
+    k_table = round(DENSITY * np.prod(SHAPES[TABLE][0]))
     before = start
     for s, weights in enumerate(history):
         if s == NAN_STEP:
             np.testing.assert_array_equal(weights[0], before[0])
             continue
-        for v in range(2):
-            decayed = before[v] * (1 - LR * WEIGHT_DECAY)
-            np.testing.assert_allclose(np.abs(weights[v] - decayed), LR, rtol=1e-3)
+        moves = {v: np.abs(weights[v] - before[v] * (1 - LR * WEIGHT_DECAY)) for v in SPARSIFIED}
+        for v in SPARSIFIED[:2]:
+            np.testing.assert_allclose(moves[v], LR, rtol=1e-3)
+        moved = moves[TABLE].max(axis=1) > LR / 2
+        np.testing.assert_allclose(moves[TABLE][moved], LR, rtol=1e-3)
+        np.testing.assert_allclose(moves[TABLE][~moved], 0, atol=1e-6)
+        assert 1 <= moved.sum() <= k_table
         before = weights
     assert optimizer.compression_stats()["exchange_mode"] == 2.0  # agreed indices
 
