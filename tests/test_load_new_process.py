@@ -46,6 +46,7 @@ with warnings.catch_warnings(record=True) as caught:
             # Called, not predict(): six predict functions traced in one process make TensorFlow warn of retracing.
             "predictions": np.asarray(model(np.load(entry["x"]), training=False)).tolist(),
             "residuals": [r.numpy().tolist() for r in optimizer.residuals],
+            "dct_row_sides": [t.row_side for t in getattr(getattr(optimizer.exchange, "memory", None), "transforms", None) or []],
         }
 report["warnings"] = [str(w.message) for w in caught if "tf_topk" in str(w.message)]
 print("REPORT " + json.dumps(report))
@@ -83,15 +84,21 @@ def saved(tmp_path_factory):
     model.save(path / "keras3_adamw.keras")
     models["keras3_adamw"] = dict(keras="keras", path=str(path / "keras3_adamw.keras"), model=model)
 
-    # AdamW at a low fixed density: decoupled momentum by default, its per-replica momentum in the file.
+    # AdamW at a low fixed density: decoupled momentum by default, its per-replica momentum in the file;
+    # the sparsified variable an embedding table, whose DCT runs along each row in the new process too.
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+    tokens = rng.integers(0, 32, (64, 4)).astype(np.int32)
+    np.save(path / "tokens.npy", tokens)
+    model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(32, 8), keras.layers.Flatten(),
+                              keras.layers.Dense(2)])
     model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01), density=0.01, min_size=100),
                   loss="mse")
-    model.fit(x, y, batch_size=16, verbose=0)
+    model.fit(tokens, y, batch_size=16, verbose=0)
     assert model.optimizer.decoupled_momentum is True
+    assert [t.row_side for t in model.optimizer.exchange.memory.transforms] == [1]
     model.save(path / "keras3_decoupled.keras")
-    models["keras3_decoupled"] = dict(keras="keras", path=str(path / "keras3_decoupled.keras"), model=model)
+    models["keras3_decoupled"] = dict(keras="keras", path=str(path / "keras3_decoupled.keras"), model=model,
+                                      x=str(path / "tokens.npy"))
 
     # One selection over the bucket (selection_scope="bucket"): the option comes back with the model.
     keras.utils.set_random_seed(0)
@@ -147,11 +154,12 @@ def saved(tmp_path_factory):
     for name, entry in models.items():
         optimizer = entry["model"].optimizer
         residuals = [r.numpy() for r in optimizer.residuals]
-        assert len(residuals) == 1 and np.abs(residuals[0]).sum() > 0  # the 8x16 kernel, sparsified
-        expected[name] = dict(keras=entry["keras"], path=entry["path"], x=str(path / "x.npy"),
+        assert len(residuals) == 1 and np.abs(residuals[0]).sum() > 0  # the 8x16 kernel (or table), sparsified
+        inputs = entry.get("x", str(path / "x.npy"))
+        expected[name] = dict(keras=entry["keras"], path=entry["path"], x=inputs,
                               type=f"{type(optimizer).__module__}.TopKOptimizer",
-                              config=jsonable_config(optimizer), predictions=entry["model"].predict(x, verbose=0),
-                              residuals=residuals)
+                              config=jsonable_config(optimizer),
+                              predictions=entry["model"].predict(np.load(inputs), verbose=0), residuals=residuals)
     return expected
 
 
@@ -185,6 +193,8 @@ def test_saved_models_load_in_a_new_process(saved, order, api):
         assert loaded["config"]["min_k"] == (4 if name == "keras3_warmup" else 1), name
         if name == "keras3_warmup":
             assert (loaded["config"]["density"], loaded["config"]["density_warmup_steps"]) == (0.001, 40)
+        # Decoupled momentum's transform is made again on load: the embedding table's rows stay apart.
+        assert loaded["dct_row_sides"] == ([1] if name == "keras3_decoupled" else []), name
         np.testing.assert_allclose(np.array(loaded["predictions"]), entry["predictions"], rtol=1e-6, atol=1e-7)
         if name != "tf_keras_saved_model":  # a SavedModel's optimizer variables: restore_optimizer_variables
             np.testing.assert_array_equal(np.array(loaded["residuals"][0], np.float32), entry["residuals"][0])
