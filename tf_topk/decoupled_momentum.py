@@ -16,8 +16,9 @@ The transform is a 2-D DCT-II (orthonormal) over blocks of at most `chunk` x `ch
 variable seen as a matrix (its last axis the columns, the others the rows), each side the largest
 divisor of that dimension up to `chunk`; a block's coefficients are contiguous in the flat order the
 exchange selects from. An embedding table's rows are unrelated tokens (or positions), so its blocks
-are one row high: a 2-D block would move a row by the sign of its neighbours' momentum. The DCT is linear, so the momentum can live in the transformed space, and the
-sum over replicas of what they sent is the transform of the sum.
+are one row high: a 2-D block would move a row by the sign of its neighbours' momentum. The DCT is
+linear, so the momentum can live in the transformed space, and the sum over replicas of what they
+sent is the transform of the sum.
 """
 
 import math
