@@ -146,3 +146,10 @@ def test_error_feedback_in_dct_blocks_sending_everything_is_the_inner_sgd():
         plain.apply_gradients([(grad, theirs)])
     assert not np.array_equal(ours.numpy(), np.ones([64, 64]))
     np.testing.assert_allclose(ours.numpy(), theirs.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_quarter_warm_ups_span_the_runs_first_quarter():
+    assert suite.CONFIGS["warmup-quarter"].options(0.001, 3350, 112) == {"density": 0.001,
+                                                                         "density_warmup_steps": 837}
+    schedule = list(suite.CONFIGS["warmup-quarter-from-0.125"].options(0.001, 3350, 112)["density"])
+    assert schedule[0] == (0, 0.125) and schedule[-1] == (837, 0.001) and len(schedule) == 5

@@ -104,6 +104,12 @@ def _dgc_warmup(density, steps_per_epoch):
     return schedule.dgc_warmup(steps_per_epoch, epochs=4, final=density)
 
 
+def _quarter_from_eighth(density, steps):
+    from tf_topk import schedule
+
+    return schedule.warmup_in_steps(steps // 4, density, initial=0.125)
+
+
 def _chunk_selector():
     from tf_topk.selector import ChunkTopKSelector
 
@@ -172,6 +178,13 @@ CONFIGS = {
     "dct": Config("the default with the residual in DCT blocks of 64 (decoupled momentum's transform and decay "
                   "0.999) and the decoded sum the inner optimizer's gradient",
                   lambda d, steps, epoch: {"density": d, "memory": _dct_error_feedback()}),
+    "warmup-quarter": Config("the default with its density warm-up over the run's first quarter "
+                             "(density_warmup_steps=steps // 4)",
+                             lambda d, steps, epoch: {"density": d, "density_warmup_steps": steps // 4}),
+    "warmup-quarter-from-0.125": Config("DGC's falling densities from 0.125 over the run's first quarter "
+                                        "(density=schedule.warmup_in_steps(steps // 4, d, initial=0.125)): "
+                                        "about the default warm-up's bytes on the validation tasks",
+                                        lambda d, steps, epoch: {"density": _quarter_from_eighth(d, steps)}),
     "warmup-tenth": Config("the default with its density warm-up over the run's first tenth "
                            "(density_warmup_steps=steps // 10)",
                            lambda d, steps, epoch: {"density": d, "density_warmup_steps": steps // 10}),
