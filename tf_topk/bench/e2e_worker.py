@@ -28,10 +28,10 @@ configuration under MultiWorkerMirroredStrategy with a custom loop:
 on generated data (a fixed random teacher labels Gaussian inputs; each worker
 has its own batches), `--warmup` steps, then `--steps` timed steps, each
 ended by reading the local loss (so each step's time includes its exchange).
-Before and after the timed steps it reads the interface counters
-(/sys/class/net/<iface>/statistics/{tx,rx}_bytes: inside the namespace, the
-worker's own veth) and the TCP payload counters of its own sockets (`ss`),
-then writes `result_<index>.json` to `--out` and exits.
+Before and after the timed steps, each time after a barrier, it reads the
+interface counters (/sys/class/net/<iface>/statistics/{tx,rx}_bytes: inside
+the namespace, the worker's own veth) and the TCP payload counters of its own
+sockets (`ss`), then writes `result_<index>.json` to `--out` and exits.
 """
 
 import argparse
