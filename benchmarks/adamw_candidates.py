@@ -6,8 +6,8 @@ paired summary of such lines (benchmarks/RESULTS.md, "Decoupled momentum for Ada
 
 `run` trains with `tf_topk.bench.convergence`'s model, data and loop (`train_one`; the arguments after
 `--` are the benchmark's own, e.g. `--dataset prose --steps 2000 --replicas 2`), the optimizer made by
-VARIANT, and prints {"variant", "density", "seed", "dataset", "steps", "replicas", "final", "curve"} per
-seed. VARIANT is a name and options, `name:key=value,...`:
+VARIANT, and prints {"variant", "density", "seed", "dataset", "steps", "replicas", "inner", "final", "curve"}
+per seed ("inner": the inner optimizer, e.g. with `--global-clipnorm 1.0`). VARIANT is a name and options, `name:key=value,...`:
 
     dense                      the inner AdamW alone
     lion                       Keras's Lion at AdamW's rate and weight decay, dense (a sign method
@@ -26,13 +26,18 @@ seed. VARIANT is a name and options, `name:key=value,...`:
                                side of N entries: an embedding table's rows, the output's columns),
                                apart=0 (2-D blocks for embedding tables too: the default until
                                2026-12-04, which every demo figure before that date measured)
+    default                    `TopKOptimizer(AdamW, density=DENSITY)` as a user writes it, whatever the library
+                               chooses (decoupled momentum at 0.01 or less); link=R: no density given,
+                               the autopilot's plan for the stated link R (e.g. link=100mbit; DENSITY is
+                               then only the line's label)
     demoq                      demo with a chunk-wise selection (QuantizedChunkSelector: qchunk= entries a
                                chunk, bits= 8, 4 or 2 for quantized values)
 
 and for every variant but dense: warm= the density warm-up ("auto", the library's default, or steps), and
 mode= the exchange_mode (e.g. mode=allgather_int8: values in 8 bits, the rounding error kept).
 
-`summarize` pairs each variant's seeds with dense's of the same dataset, steps and replicas, and prints
+`summarize` pairs each variant's seeds with dense's of the same dataset, steps, replicas and inner
+optimizer's clipping, and prints
 the mean difference in nats/byte with its 95% t-interval.
 """
 
@@ -47,7 +52,7 @@ import tensorflow as tf
 
 import tf_topk.memory
 import tf_topk.selector
-from tf_topk.decoupled_momentum import BlockDCT, DecoupledMomentumMemory, dct_matrix
+from tf_topk.decoupled_momentum import BlockDCT, DecoupledMomentumMemory
 from tf_topk.bench.suite import paired_interval
 
 class QuantizedChunkSelector(tf_topk.selector.Selector):
@@ -224,15 +229,6 @@ class DenseAdamFirst(AdamThenSign):
         return first * (tf.sqrt(1.0 - self.BETA_2 ** t) / (1.0 - self.BETA_1 ** t)) / (tf.sqrt(second) + self.EPSILON)
 
 
-class ColumnsApartDCT(BlockDCT):
-    """A DCT along each column only (blocks one column wide): no mixing along the last axis, e.g. of
-    the output layer's vocabulary. (Rows apart is BlockDCT's `rows_apart`.)"""
-
-    def __init__(self, shape, chunk):
-        super().__init__(shape, chunk)
-        self.column_side, self._column_matrix = 1, tf.constant(dct_matrix(1))
-
-
 class RowsApart(DecoupledMomentumMemory):
     """rows=1: every variable's DCT along its last axis only; rows=embeddings: only embedding tables'
     (a variable whose path names "embeddings"), whose rows are unrelated tokens that a 2-D block mixes,
@@ -254,7 +250,7 @@ class RowsApart(DecoupledMomentumMemory):
                 if len(shape) == 2 and shape[0] == self.vocabulary:
                     self.transforms[slot] = BlockDCT(shape, self.chunk, rows_apart=True)
                 elif len(shape) >= 2 and shape[-1] == self.vocabulary:
-                    self.transforms[slot] = ColumnsApartDCT(shape, self.chunk)
+                    self.transforms[slot] = BlockDCT(shape, self.chunk, columns_apart=True)
             elif self.rows == "1" or "embeddings" in (getattr(variable, "path", None) or variable.name):
                 self.transforms[slot] = BlockDCT(shape, self.chunk, rows_apart=True)
 
@@ -293,7 +289,7 @@ def make_builder(variant, density):
     """optimizer_for(keras, args) of one variant (see the module's docstring)."""
     name, _, text = variant.partition(":")
     options = dict(pair.split("=") for pair in text.split(",") if pair)
-    known = {"dense", "lion", "topk_ef", "mc", "demo", "demoq"}
+    known = {"dense", "lion", "topk_ef", "mc", "demo", "demoq", "default"}
     if name not in known:
         raise SystemExit(f"unknown variant {name!r}: one of {', '.join(sorted(known))}")
 
@@ -308,6 +304,11 @@ def make_builder(variant, density):
         warm = options.get("warm", "auto")
         common = dict(density=density, density_warmup_steps=warm if warm == "auto" else int(warm),
                       exchange_mode=options.get("mode", "auto"))
+        if name == "default":
+            if "link" in options:
+                return tf_topk.TopKOptimizer(inner, link=options["link"],
+                                             exchange_mode=options.get("mode", "auto"))
+            return tf_topk.TopKOptimizer(inner, **common)
         if name == "topk_ef":
             return tf_topk.TopKOptimizer(inner, decoupled_momentum=False, **common)
         if name == "mc":
@@ -338,7 +339,8 @@ def run(variant, density, seeds, argv):
         result = convergence.train_one("dense" if uncompressed else "trial", density, seed, data, args,
                                        strategy, optimizer_for=build)
         print(json.dumps({"variant": variant, "density": density, "seed": seed, "dataset": args.dataset,
-                          "steps": args.steps, "replicas": args.replicas, "final": result["val_loss"][-1],
+                          "steps": args.steps, "replicas": args.replicas, "inner": convergence.optimizer_name(args),
+                          "final": result["val_loss"][-1],
                           "curve": [round(v, 4) for v in result["val_loss"]],
                           "seconds": round(time.monotonic() - started, 1)}), flush=True)
 
@@ -346,23 +348,32 @@ def run(variant, density, seeds, argv):
 def summarize(lines):
     """Rows (dataset, steps, replicas, variant, density, seeds, dense mean, mean difference, low, high)."""
     runs = [json.loads(line) for line in lines if line.strip()]
-    dense = {(r["dataset"], r["steps"], r.get("replicas", 1), r["seed"]): r["final"] for r in runs
-             if r["variant"] == "dense"}
+    # The inner optimizer's options (a line written before they were recorded ran the default AdamW's).
+    dense = {(r["dataset"], r["steps"], r.get("replicas", 1), _inner_options(r), r["seed"]): r["final"]
+             for r in runs if r["variant"] == "dense"}
     groups = collections.defaultdict(dict)
     for r in runs:
         if r["variant"] != "dense":
-            groups[(r["dataset"], r["steps"], r.get("replicas", 1), r["variant"], r["density"])][r["seed"]] = r["final"]
+            key = (r["dataset"], r["steps"], r.get("replicas", 1), r["variant"], r["density"], _inner_options(r))
+            groups[key][r["seed"]] = r["final"]
     rows = []
-    for (dataset, steps, replicas, variant, density), finals in sorted(groups.items(), key=str):
+    for (dataset, steps, replicas, variant, density, inner), finals in sorted(groups.items(), key=str):
         # One replica's dense run is dense at any replica count (the same global batch and update).
-        paired = sorted(seed for seed in finals if (dataset, steps, 1, seed) in dense)
+        paired = sorted(seed for seed in finals if (dataset, steps, 1, inner, seed) in dense)
         if not paired:
             continue
-        differences = [finals[seed] - dense[(dataset, steps, 1, seed)] for seed in paired]
+        differences = [finals[seed] - dense[(dataset, steps, 1, inner, seed)] for seed in paired]
         mean, low, high = paired_interval(differences)
-        rows.append((dataset, steps, replicas, variant, density, paired,
-                     statistics.fmean(dense[(dataset, steps, 1, seed)] for seed in paired), mean, low, high))
+        shown = variant if not inner else f"{variant} [{inner}]"
+        rows.append((dataset, steps, replicas, shown, density, paired,
+                     statistics.fmean(dense[(dataset, steps, 1, inner, seed)] for seed in paired), mean, low, high))
     return rows
+
+
+def _inner_options(run):
+    """What a run's inner optimizer adds to the default AdamW (its clipping), "" for none."""
+    inner = run.get("inner", "")
+    return inner[inner.index("global_clipnorm"):].rstrip(")") if "global_clipnorm" in inner else ""
 
 
 def main(argv):

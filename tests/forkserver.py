@@ -178,48 +178,68 @@ def serve(path) -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, ("accept", None))
     children = {}  # pid -> (connection, pidfd)
+    client_fds = set()  # every descriptor held for a client: a forked child closes all but its own
     stopping = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
 
-    while not stopping:
+    parent = os.getppid()  # the process that started this server: when it is gone, so is the server
+    while not stopping and os.getppid() == parent:
         for key, _ in selector.select(timeout=0.5):
-            kind, pid = key.data
+            kind, data = key.data
             if kind == "accept":
                 try:
                     conn, _ = listener.accept()
                 except OSError:
                     continue
-                pid = _handle(conn, started_under, listener, selector)
+                conn.setblocking(False)  # a client that sends nothing holds up no other
+                pending = _Request(conn)
+                client_fds.add(conn.fileno())
+                selector.register(conn, selectors.EVENT_READ, ("request", pending))
+            elif kind == "request":
+                pending = data
+                if not pending.read(client_fds):
+                    continue
+                selector.unregister(pending.conn)
+                pid = _handle(pending, started_under, listener, selector, client_fds)
                 if pid is None:
                     continue
                 pidfd = os.pidfd_open(pid)
-                children[pid] = {"conn": conn, "pidfd": pidfd, "watched": True}
+                client_fds.add(pidfd)
+                children[pid] = {"conn": pending.conn, "pidfd": pidfd, "watched": True}
                 selector.register(pidfd, selectors.EVENT_READ, ("exited", pid))
-                selector.register(conn, selectors.EVENT_READ, ("client", pid))
+                selector.register(pending.conn, selectors.EVENT_READ, ("client", pid))
             elif kind == "exited":
-                child = children.pop(pid)
-                _, status = os.waitpid(pid, 0)
+                child = children.pop(data)
+                _, status = os.waitpid(data, 0)
                 selector.unregister(child["pidfd"])
+                client_fds.discard(child["pidfd"])
                 os.close(child["pidfd"])
                 if child["watched"]:
                     selector.unregister(child["conn"])
                 try:
+                    child["conn"].setblocking(True)
                     child["conn"].sendall(f"exit {status}\n".encode())
                 except OSError:
                     pass
+                client_fds.discard(child["conn"].fileno())
                 child["conn"].close()
-            elif kind == "client" and pid in children:
-                child = children[pid]
+            elif kind == "client" and data in children:
+                child = children[data]
                 try:
                     gone = not child["conn"].recv(1, socket_module.MSG_PEEK)
+                except BlockingIOError:
+                    gone = False
                 except OSError:
                     gone = True
                 if gone:  # the client is gone: so is its child
                     selector.unregister(child["conn"])
                     child["watched"] = False
-                    _kill_group(pid)
+                    _kill_group(data)
     for pid in children:
         _kill_group(pid)
+    import shutil
+
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # the starter's own clean-up may never run
 
 
 def _kill_group(pid):
@@ -229,28 +249,53 @@ def _kill_group(pid):
         pass
 
 
-def _handle(conn, started_under, listener, selector):
-    """Read one request; answer `exec` or fork its child. The child's pid, or None."""
-    import array
+class _Request:
+    """One client's request as it arrives, read as far as the socket has it (non-blocking): the JSON line
+    and the descriptors 0, 1 and 2 attached to it."""
 
-    fds = array.array("i")
-    data = b""
+    def __init__(self, conn):
+        import array
+
+        self.conn, self.data, self.fds, self.closed = conn, b"", array.array("i"), False
+
+    def read(self, client_fds) -> bool:
+        """Read what has arrived; True once the line is complete or the client closed before it was."""
+        try:
+            chunk, ancillary, _, _ = self.conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * self.fds.itemsize))
+        except BlockingIOError:
+            return False
+        except OSError:
+            chunk, ancillary = b"", []
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                received = payload[:len(payload) - len(payload) % self.fds.itemsize]
+                self.fds.frombytes(received)
+                client_fds.update(self.fds)
+        self.data += chunk
+        self.closed = not chunk
+        return self.closed or self.data.endswith(b"\n")
+
+
+def _handle(pending, started_under, listener, selector, client_fds):
+    """Answer a complete request: `exec`, or fork its child. The child's pid, or None."""
+    conn, fds = pending.conn, list(pending.fds)
+
+    def release():
+        for fd in fds:
+            client_fds.discard(fd)
+            os.close(fd)
+
     try:
-        while not data.endswith(b"\n"):
-            chunk, ancillary, _, _ = conn.recvmsg(1 << 20, socket.CMSG_SPACE(3 * fds.itemsize))
-            if not chunk:
-                raise OSError("the client closed before its request was complete")
-            data += chunk
-            for level, kind, payload in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
-        request = json.loads(data)
+        if pending.closed:
+            raise OSError("the client closed before its request was complete")
+        request = json.loads(pending.data)
         if len(fds) != 3 or import_time_environment(request["env"]) != started_under:
+            conn.setblocking(True)
             conn.sendall(b"exec\n")
             raise OSError("not forked")
     except (OSError, ValueError):
-        for fd in fds:
-            os.close(fd)
+        release()
+        client_fds.discard(conn.fileno())
         conn.close()
         return None
     try:
@@ -261,12 +306,18 @@ def _handle(conn, started_under, listener, selector):
         try:
             selector.close()
             listener.close()
-            _child(conn, request, list(fds))
+            for fd in client_fds - {conn.fileno(), *fds}:  # other clients' connections and descriptors
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            conn.setblocking(True)
+            _child(conn, request, fds)
         finally:
             os._exit(70)  # _child exits itself; this is reached only if it failed before running anything
-    for fd in fds:
-        os.close(fd)
+    release()
     if pid is None:
+        client_fds.discard(conn.fileno())
         conn.close()  # the client sees the end before a pid, and execs
     return pid
 
@@ -342,6 +393,7 @@ def _child(conn, request, fds) -> None:
     except Exception:  # noqa: BLE001
         pass
     atexit._run_exitfuncs()
+    _flush_open_files()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -350,6 +402,21 @@ def _child(conn, request, fds) -> None:
     if code < 0:
         _die_of(-code)
     os._exit(code)
+
+
+def _flush_open_files():
+    """Flush every file object still open, as the interpreter's own exit does when it finalizes them:
+    `os._exit` would drop what a script wrote into a file it never closed."""
+    import gc
+    import io
+
+    for obj in gc.get_objects():
+        if isinstance(obj, (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)):
+            try:
+                if not obj.closed:
+                    obj.flush()
+            except (OSError, ValueError):
+                pass
 
 
 def _exit_code(code) -> int:

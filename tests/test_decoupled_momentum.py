@@ -23,7 +23,7 @@ split_cpu(3)  # before TensorFlow starts
 
 import tf_topk
 import tf_topk.tf_keras
-from tf_topk.decoupled_momentum import (DEFAULT_DECAY, BlockDCT, DecoupledMomentumMemory, block_side,
+from tf_topk.decoupled_momentum import (DEFAULT_DECAY, BlockDCT, DecoupledMomentumMemory, block_sides,
                                         is_embedding_table)
 
 LR, WEIGHT_DECAY, DENSITY, MIN_SIZE, STEPS = 0.01, 0.1, 1 / 128, 1000, 4
@@ -35,32 +35,71 @@ SPARSIFIED = [v for v, (_, sparse) in enumerate(SHAPES) if sparse]  # the exchan
 NAN_STEP = 2  # one replica's gradient holds a NaN: the step is skipped on every replica
 
 
-def reference_sides(shape, rows_apart):
-    rows, columns = int(np.prod(shape[:-1])) if len(shape) > 1 else 1, shape[-1]
-    return rows, columns, 1 if rows_apart else block_side(rows, 64), block_side(columns, 64)
+def reference_sides(dimension, chunk=64):
+    """ceil(dimension / chunk) block sides, as equal as can be, the larger first."""
+    count = -(-dimension // chunk)
+    side, larger = divmod(dimension, count)
+    return [side + 1] * larger + [side] * (count - larger)
+
+
+def reference_blocks(shape, rows_apart=False, chunk=64):
+    """Each DCT block, in the order of its coefficients, as the flat positions of its entries ([a, b]):
+    the variable as a matrix (a 1-D one as rows of `chunk`, the rest a row of its own), each axis cut by
+    `reference_sides`, the blocks of one pair of sides (a region) one after another, row-major."""
+    size = int(np.prod(shape))
+    if len(shape) >= 2:
+        views = [(size // shape[-1], shape[-1])]
+    elif size > chunk:
+        views = [(size // chunk, chunk)] + ([(1, size % chunk)] if size % chunk else [])
+    else:
+        views = [(1, size)]
+    blocks, offset = [], 0
+    for rows, columns in views:
+        positions = np.arange(offset, offset + rows * columns).reshape(rows, columns)
+        offset += rows * columns
+        row_runs = runs([1] * rows if rows_apart else reference_sides(rows, chunk))
+        for row_run in row_runs:
+            for column_run in runs(reference_sides(columns, chunk)):
+                blocks += [positions[r:r + a, c:c + b] for r, a in row_run for c, b in column_run]
+    return blocks
+
+
+def runs(sides):
+    """Sides grouped into runs of one side, each as (start, side) pairs."""
+    grouped, start = [], 0
+    for side in sides:
+        if not grouped or grouped[-1][0][1] != side:
+            grouped.append([])
+        grouped[-1].append((start, side))
+        start += side
+    return grouped
 
 
 def reference_dct(flat, shape, rows_apart=False):
     """The blockwise orthonormal 2-D DCT-II by scipy, in BlockDCT's layout (each block contiguous)."""
-    rows, columns, a, b = reference_sides(shape, rows_apart)
-    blocks = flat.reshape(rows // a, a, columns // b, b).transpose(0, 2, 1, 3)
-    return scipy.fft.dctn(blocks, axes=(2, 3), norm="ortho").reshape(-1)
+    return np.concatenate([scipy.fft.dctn(flat[block], norm="ortho").reshape(-1)
+                           for block in reference_blocks(shape, rows_apart)])
 
 
 def reference_touched(flat, shape, rows_apart=False):
     """Per entry, in the variable's layout: whether its DCT block holds a nonzero coefficient."""
-    rows, columns, a, b = reference_sides(shape, rows_apart)
-    touched = np.any(flat.reshape(rows // a, columns // b, a, b) != 0, axis=(2, 3))
-    return np.broadcast_to(touched[:, None, :, None], (rows // a, a, columns // b, b)).reshape(-1)
+    touched, start = np.zeros(flat.size, bool), 0
+    for block in reference_blocks(shape, rows_apart):
+        touched[block] = np.any(flat[start:start + block.size] != 0)
+        start += block.size
+    return touched
 
 
 def reference_idct(flat, shape, rows_apart=False):
-    rows, columns, a, b = reference_sides(shape, rows_apart)
-    blocks = scipy.fft.idctn(flat.reshape(rows // a, columns // b, a, b), axes=(2, 3), norm="ortho")
-    return blocks.transpose(0, 2, 1, 3).reshape(-1)
+    out, start = np.zeros(flat.size), 0
+    for block in reference_blocks(shape, rows_apart):
+        out[block] = scipy.fft.idctn(flat[start:start + block.size].reshape(block.shape), norm="ortho")
+        start += block.size
+    return out
 
 
-@pytest.mark.parametrize("shape", [(64, 32), (6, 8, 48), (4096,), (7, 11), (130, 96)])
+@pytest.mark.parametrize("shape", [(64, 32), (6, 8, 48), (4096,), (4099,), (100,), (7, 11), (130, 96), (97, 97),
+                                   (3, 5, 97), (128, 100)])
 def test_the_block_dct_is_scipys_orthonormal_dct_per_block_and_inverts(shape):
     x = np.random.default_rng(0).standard_normal(int(np.prod(shape))).astype(np.float32)
     transform = BlockDCT(shape)
@@ -120,8 +159,10 @@ def test_rows_no_batch_touched_stay_where_they_are():
     assert untouched == pytest.approx(0.01, rel=1e-4)
 
 
-def test_block_sides_are_the_largest_divisors_up_to_the_chunk():
-    assert [block_side(n, 64) for n in (128, 48, 96, 7, 1, 130)] == [64, 48, 48, 7, 1, 26]
+def test_block_sides_are_as_equal_as_can_be_and_at_most_the_chunk():
+    assert [block_sides(n, 64) for n in (128, 48, 96, 7, 1, 130, 97, 4099)] == [
+        [(64, 2)], [(48, 1)], [(48, 2)], [(7, 1)], [(1, 1)], [(44, 1), (43, 2)], [(49, 1), (48, 1)],
+        [(64, 4), (63, 61)]]
 
 
 class Reference:
@@ -332,11 +373,15 @@ def test_auto_on_adamw_at_a_low_fixed_density_trains_and_says_so(capsys):
     (lambda: keras.optimizers.Adam(1e-3), dict(density=0.001), True),
     (lambda: keras.optimizers.Adam(1e-3), dict(density=0.001, density_warmup_steps=0), True),
     (lambda: keras.optimizers.Adam(1e-3), dict(density=0.05), False),  # above DECOUPLED_UP_TO_DENSITY
-    (lambda: keras.optimizers.Adam(1e-3), dict(), False),  # the autopilot chooses the density
+    (lambda: keras.optimizers.Adam(1e-3), dict(), "auto"),  # the autopilot's plan decides when built
     (lambda: keras.optimizers.Adam(1e-3), dict(density="adaptive"), False),
     (lambda: keras.optimizers.SGD(0.1, momentum=0.9), dict(density=0.01), False),
     (lambda: keras.optimizers.Adam(1e-3, amsgrad=True), dict(density=0.01), False),
-    (lambda: keras.optimizers.Adam(1e-3, clipnorm=1.0), dict(density=0.01), False),  # kept by plain top-k
+    (lambda: keras.optimizers.Adam(1e-3, clipnorm=1.0), dict(density=0.01), True),  # Keras clips before it
+    (lambda: keras.optimizers.AdamW(1e-3, global_clipnorm=1.0, use_ema=True, gradient_accumulation_steps=2,
+                                    loss_scale_factor=8.0), dict(density=0.01), True),
+    (lambda: keras.optimizers.AdamW(1e-3), dict(density=0.01, exchange_mode="dense_bf16"), False),  # AdamW's
+    (lambda: keras.optimizers.SGD(0.1), dict(), False),
     (lambda: keras.optimizers.Adam(1e-3), dict(density=0.01, momentum_correction=True), False),
     (lambda: keras.optimizers.Adam(1e-3), dict(density=0.01, error_feedback=False), False),
     (lambda: keras.optimizers.Adam(1e-3), dict(density=0.01, decoupled_momentum=False), False),
@@ -356,7 +401,7 @@ def test_parts_given_keep_their_method():
 @pytest.mark.parametrize("inner,options,message", [
     (lambda: keras.optimizers.SGD(0.1), dict(density=0.01), "needs a keras.optimizers.Adam or AdamW"),
     (lambda: keras.optimizers.Adam(amsgrad=True), dict(density=0.01), "amsgrad=False"),
-    (lambda: keras.optimizers.Adam(clipnorm=1.0), dict(density=0.01), "clipnorm=1.0"),
+    (lambda: keras.optimizers.Adam(), dict(density=0.01, exchange_mode="dense_bf16"), "16-bit baseline"),
     (lambda: keras.optimizers.Adam(), dict(density=0.01, momentum_correction=True), "momentum correction"),
     (lambda: keras.optimizers.Adam(), dict(density="adaptive"), "not an adaptive density"),
     (lambda: keras.optimizers.Adam(), dict(density=0.01, error_feedback=False), "error_feedback=True"),
@@ -399,3 +444,117 @@ def test_a_config_written_before_the_option_loads_as_the_method_it_ran():
     assert tf_topk.TopKOptimizer.from_config(written).decoupled_momentum is True
     del written["decoupled_momentum"]
     assert tf_topk.TopKOptimizer.from_config(written).decoupled_momentum is False
+
+
+@pytest.mark.parametrize("shape", [(97, 97), (96, 97), (128, 100), (4099,), (1000, 97), (50257, 4), (4, 50257),
+                                   (3, 3, 64, 97), (64, 64), (4096,)])
+def test_every_entry_of_any_shape_moves_each_step(shape):
+    """A prime dimension, a 1-D variable or a narrow matrix still gets blocks of about 64 entries a side,
+    so one step at density 0.01 gives at least 90% of the entries a direction (a prime 97 had blocks one
+    entry wide: 1%). An embedding table, whose rows stay apart, is the exception the docs state: its rows
+    move only where a coefficient of their own was sent (`test_rows_no_batch_touched_stay_where_they_are`)."""
+    variable = keras.Variable(np.zeros(shape, np.float32), name="kernel")
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01, weight_decay=0.0), density=0.01,
+                                      density_warmup_steps=0, min_size=1)
+    gradient = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    optimizer.apply([tf.constant(gradient)], [variable])
+    moved = np.abs(variable.numpy())
+    assert np.mean(moved != 0) >= 0.9
+    np.testing.assert_allclose(moved[moved != 0], 0.01, rtol=1e-5)  # the sign step, at the learning rate
+
+
+def small_model_variables():
+    return [keras.Variable(np.zeros((64, 128), np.float32), name="kernel"),
+            keras.Variable(np.zeros(10, np.float32), name="bias")]
+
+
+def trained(optimizer, variables, steps=2):
+    for step in range(steps):
+        optimizer.apply([tf.random.stateless_normal((64, 128), [step, 0]), tf.ones(10)], variables)
+    return optimizer
+
+
+@pytest.mark.parametrize("built_by", ["apply", "build"])
+def test_the_inner_adamw_keeps_no_moments_of_what_decoupled_momentum_updates(built_by):
+    """Decoupled momentum keeps one buffer a sparsified entry (its momentum); the inner AdamW's two
+    moments of those variables were two more that nothing read. The bias keeps AdamW's."""
+    variables = small_model_variables()
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3), density=0.01, density_warmup_steps=0)
+    if built_by == "build":
+        optimizer.build(variables)
+    trained(optimizer, variables)
+    paths = [v.path for v in optimizer.inner_optimizer.variables]
+    assert not any("kernel_" in path for path in paths) and any("bias_momentum" in path for path in paths)
+    floats = sum(int(np.prod(v.shape)) for v in optimizer.variables if v.dtype in ("float32", "float64"))
+    assert floats / (64 * 128 + 10) < 1.01  # the momentum, the bias's two moments, a few scalars
+    plain = trained(tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3), density=0.01, density_warmup_steps=0,
+                                          decoupled_momentum=False), small_model_variables())
+    assert sum(int(np.prod(v.shape)) for v in plain.variables if v.dtype == "float32") / (64 * 128 + 10) > 2.99
+
+
+def test_tf_keras_inner_adamw_keeps_no_moments_of_what_decoupled_momentum_updates():
+    variables = [tf.Variable(tf.zeros((64, 128)), name="kernel"), tf.Variable(tf.zeros(10), name="bias")]
+    optimizer = tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.AdamW(1e-3), density=0.01, density_warmup_steps=0)
+    optimizer.apply_gradients(zip([tf.ones((64, 128)), tf.ones(10)], variables))
+    assert optimizer.decoupled_momentum is True
+    assert sorted(tuple(v.shape) for v in optimizer.inner_optimizer.variables if v.shape.rank) == [(10,), (10,)]
+
+
+def test_a_file_written_before_the_moments_were_left_out_loads():
+    """Files of earlier versions held the inner AdamW's moments of every variable and no exchange_method:
+    they load, the moments of the sparsified variables passed over."""
+    source = trained(tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3), density=0.01, density_warmup_steps=0),
+                     small_model_variables(), steps=3)
+    saved = {}
+    source.save_own_variables(saved)
+    arrays = [saved[str(i)] for i in range(len(saved))]
+    paths = [v.path for v in source.variables]
+    method = paths.index(source.exchange_method.path)
+    first_slot = next(i for i, path in enumerate(paths) if path.endswith("bias_momentum"))
+    earlier = arrays[:method] + arrays[method + 1:first_slot] + [np.full((64, 128), 7.0, np.float32)] * 2 + \
+        arrays[first_slot:]
+    target = tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3), density=0.01, density_warmup_steps=0)
+    target.build(small_model_variables())
+    target.load_own_variables({str(i): a for i, a in enumerate(earlier)})
+    for ours, theirs in zip(target.variables, source.variables):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy(), err_msg=ours.path)
+
+
+def test_a_checkpoint_of_another_method_is_refused_naming_both(tmp_path):
+    """A residual of gradients (top-k in front of AdamW) is not a momentum in a DCT's space: a file or a
+    tf.train.Checkpoint of one method does not go on under the other; of the same method, it does.
+    A tf.train.Checkpoint matches variables by position: where the inner AdamW holds moments of other
+    variables (built by the wrapper, which leaves out those decoupled momentum never reads), TensorFlow's
+    restore itself fails on their shapes; where they line up (an AdamW built before it was wrapped), the
+    first step refuses, naming both methods."""
+    def optimizer(decoupled, inner_built_first=False):
+        inner = keras.optimizers.AdamW(1e-3)
+        variables = small_model_variables()
+        if inner_built_first:
+            inner.build(variables)
+        wrapper = tf_topk.TopKOptimizer(inner, density=0.01, density_warmup_steps=0, decoupled_momentum=decoupled)
+        wrapper.build(variables)
+        return wrapper, variables
+
+    plain = trained(*optimizer(False))
+    saved = {}
+    plain.save_own_variables(saved)
+    with pytest.raises(ValueError, match="written with error feedback, and this optimizer runs decoupled momentum"):
+        optimizer(True)[0].load_own_variables(saved)
+    prefix = tf.train.Checkpoint(optimizer=plain).save(str(tmp_path / "plain"))
+    with pytest.raises(ValueError, match="incompatible"):
+        tf.train.Checkpoint(optimizer=optimizer(True)[0]).restore(prefix)
+    lined_up = tf.train.Checkpoint(optimizer=trained(*optimizer(False, inner_built_first=True))).save(
+        str(tmp_path / "lined_up"))
+    target, variables = optimizer(True, inner_built_first=True)
+    tf.train.Checkpoint(optimizer=target).restore(lined_up).assert_existing_objects_matched()
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="written with error feedback, and this optimizer runs decoupled momentum"):
+        trained(target, variables, steps=1)
+    decoupled = trained(*optimizer(True))
+    same, variables = optimizer(True)
+    tf.train.Checkpoint(optimizer=same).restore(
+        tf.train.Checkpoint(optimizer=decoupled).save(str(tmp_path / "decoupled"))).assert_existing_objects_matched()
+    np.testing.assert_array_equal(same.residuals[0].numpy(), decoupled.residuals[0].numpy())
+    trained(same, variables, steps=1)
+    assert int(same.iterations.numpy()) == 3

@@ -4,6 +4,7 @@ starts outlives its client."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,3 +115,78 @@ def test_the_import_time_environment_leaves_out_what_a_child_applies_itself():
            "TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": "/p", "TF_USE_LEGACY_KERAS": "1"}
     assert forkserver.import_time_environment(env) == {"TF_CPP_MIN_LOG_LEVEL": "2", "PYTHONPATH": "/p",
                                                        "TF_USE_LEGACY_KERAS": "1"}
+
+
+def test_a_script_that_never_closes_its_file_has_written_it(tmp_path):
+    """The child ends with os._exit: a file a script left open (its buffer unwritten) is flushed first,
+    as the interpreter's own exit flushes it."""
+    target = tmp_path / "left_open.txt"
+    code = f"log = open({str(target)!r}, 'w'); log.write('every line\\n' * 3)"
+    assert run([*PYTHON, "-c", code], subprocess_env()).returncode == 0
+    assert target.read_text() == "every line\n" * 3
+
+
+def test_a_client_that_sends_nothing_holds_up_no_other(tmp_path):
+    env = subprocess_env()
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    silent.connect(env[forkserver.SOCKET_ENV])  # connected, and never a byte
+    try:
+        started = time.monotonic()
+        forked = run([*PYTHON, "-c", "import sys, tensorflow; print('tensorflow' in sys.modules)"], env)
+        assert forked.stdout.strip() == "True" and time.monotonic() - started < 30
+    finally:
+        silent.close()
+
+
+def test_a_child_holds_no_other_clients_descriptors(tmp_path):
+    """While one client's child runs, the next child has its own connection to the server and nothing
+    of the first's (its connection, its standard streams, the server's handle on its process)."""
+    env = subprocess_env()
+    ready = tmp_path / "ready"
+    first = subprocess.Popen([*PYTHON, "-c", f"import time; open({str(ready)!r}, 'w').close(); time.sleep(60)"],
+                             env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        code = ("import json, os\nlinks = []\nfor fd in os.listdir('/proc/self/fd'):\n    try:\n"
+                "        links.append(os.readlink(f'/proc/self/fd/{fd}'))\n    except OSError:\n"
+                "        pass  # the listing's own descriptor, closed by now\nprint(json.dumps(links))")
+        links = json.loads(run([*PYTHON, "-c", code], env).stdout)
+        assert sum(link.startswith("socket:") for link in links) == 1, links  # its own connection only
+        assert not any("pidfd" in link for link in links), links
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+def test_the_server_ends_with_the_process_that_started_it(tmp_path):
+    """A test process killed by SIGKILL runs no clean-up of its own: its fork server stops by itself
+    (it was 650 MB) and removes its folder."""
+    starter = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys, time; sys.path.insert(0, 'tests'); import forkserver; "
+                               "print(forkserver.server_socket(dict(os.environ)), flush=True); time.sleep(120)"],
+        cwd=REPO_ROOT, env=subprocess_env(), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        path = starter.stdout.readline().strip()
+        assert path and os.path.exists(path)
+        servers = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).endswith(
+            f"--serve\0{path}\0")]
+        assert len(servers) == 1
+        os.killpg(starter.pid, signal.SIGKILL)
+        starter.wait()
+        assert wait_dead(servers, timeout=10) == [], "the fork server outlived the process that started it"
+        assert not os.path.exists(os.path.dirname(path))
+    finally:
+        if starter.poll() is None:
+            os.killpg(starter.pid, signal.SIGKILL)
+            starter.wait()
+
+
+def _cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""

@@ -7,6 +7,7 @@ name. The matrix of modes x outputs x memories x layouts is in tests/test_exchan
 """
 
 import functools
+import math
 
 import keras
 import numpy as np
@@ -124,6 +125,30 @@ def test_a_bucket_beyond_24_bits_of_index_is_refused_by_name():
     with pytest.raises(ValueError, match=r"exchange_mode='allgather_int8' packs an index in 24 bits.*"
                                          r"holds 16,777,217 .*lower bucket_bytes"):
         Int8AllGatherRoute().select(bucket, None, None, None, None)
+
+
+def test_buckets_split_at_24_bits_of_index_and_a_larger_variable_takes_8_byte_pairs(capsys):
+    """Two variables of 9M entries (the docs' embedding recipe) fill two buckets by themselves, where one
+    bucket failed at the first step; a variable beyond 2**24 entries travels alone as 8-byte pairs, and
+    the chief says so."""
+    halves = [tf.Variable(tf.zeros([9_000_000]), name=f"table_{i}") for i in range(2)]
+    exchange = tf_topk.SparseExchange(halves, density=0.002, exchange_mode="allgather_int8", density_warmup_steps=0)
+    assert exchange.num_buckets == 2
+    rng = np.random.default_rng(0)
+    result = exchange([tf.constant(rng.normal(size=9_000_000).astype(np.float32)) for _ in halves])
+    assert int(np.count_nonzero(result.grads[0].numpy())) == 18_000
+    assert float(result.stats["exchange_mode"]) == Int8AllGatherRoute.code
+    large = tf.Variable(tf.zeros([(1 << 24) + 1]), name="large")
+    small = tf.Variable(tf.zeros([5000]), name="small")
+    exchange = tf_topk.SparseExchange([small, large], density=0.002, exchange_mode="allgather_int8",
+                                      density_warmup_steps=0)
+    assert exchange.num_buckets == 2
+    assert "large has 16,777,217 entries, more than exchange_mode='allgather_int8' indexes in 24 bits" in \
+        capsys.readouterr().err
+    result = exchange([tf.constant(rng.normal(size=5000).astype(np.float32)),
+                       tf.constant(rng.normal(size=(1 << 24) + 1).astype(np.float32))])
+    assert int(np.count_nonzero(result.grads[1].numpy())) == math.ceil(0.002 * ((1 << 24) + 1))
+    assert float(result.stats["exchange_mode"]) == (Int8AllGatherRoute.code + 1.0) / 2  # int8 and all_gather
 
 
 def test_adams_momentum_correction_is_refused_by_name():

@@ -25,6 +25,7 @@ except RuntimeError:  # TensorFlow already started: the test skips unless enough
     pass
 
 import tf_topk  # noqa: E402
+from pairwise import cell_id, pairwise  # noqa: E402
 
 REPLICAS = 2
 STEPS = 6
@@ -52,30 +53,7 @@ def two_replicas():
     return Strategy([f"/cpu:{i}" for i in range(REPLICAS)])
 
 
-def pairwise(options):
-    """Cells (dicts of option -> value) in which every pair of values of two options appears:
-    greedy, deterministic, about a tenth of the full product here."""
-    names = list(options)
-    uncovered = {(a, va, b, vb) for a, b in itertools.combinations(names, 2)
-                 for va in options[a] for vb in options[b]}
-    cells = []
-    while uncovered:
-        best, best_count = None, -1
-        for values in itertools.product(*(options[name] for name in names)):
-            cell = dict(zip(names, values))
-            count = sum((a, cell[a], b, cell[b]) in uncovered for a, b in itertools.combinations(names, 2))
-            if count > best_count:
-                best, best_count = cell, count
-        cells.append(best)
-        uncovered -= {(a, best[a], b, best[b]) for a, b in itertools.combinations(names, 2)}
-    return cells
-
-
 CELLS = pairwise(OPTIONS)
-
-
-def cell_id(cell):
-    return "-".join(f"{name}={value}" for name, value in cell.items() if value not in (None, False)) or "plain"
 
 
 def make_inner(cell):

@@ -545,3 +545,18 @@ def test_sparse_updates_round_trip_in_the_config_and_respect_constraints():
 def test_sparse_updates_refuse_what_plain_sgd_on_the_pairs_would_ignore(inner, kwargs, message):
     with pytest.raises(ValueError, match=message):
         tf_topk.TopKOptimizer(inner(), sparse_updates=True, **kwargs)
+
+
+def test_a_multi_optimizer_is_refused_inside_and_sparsifies_around_it():
+    """Inside, a MultiOptimizer's sub-optimizers would send every gradient dense, silently: refused by name.
+    Around one of its sub-optimizers, the wrapper sparsifies that sub-optimizer's variables."""
+    with pytest.raises(ValueError, match="does not take a keras.optimizers.MultiOptimizer as inner_optimizer"):
+        tf_topk.TopKOptimizer(keras.optimizers.MultiOptimizer(lambda variable: keras.optimizers.SGD(0.1)))
+    topk = tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3), density=0.01, density_warmup_steps=0)
+    sgd = keras.optimizers.SGD(0.1)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128), keras.layers.Dense(10)])
+    model.compile(keras.optimizers.MultiOptimizer(lambda variable: topk if "kernel" in variable.path else sgd),
+                  "mse", jit_compile=False)
+    model.fit(np.ones((32, 64), np.float32), np.zeros((32, 10), np.float32), epochs=1, verbose=0)
+    assert topk.compression_stats()["density"] == pytest.approx(0.01, abs=1e-4)  # the 64x128 kernel
+    assert topk.decoupled_momentum is True

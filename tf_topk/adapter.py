@@ -25,8 +25,8 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 from tf_topk.config import DECOUPLED_UP_TO_DENSITY, ExchangeConfig
-from tf_topk.exchange import STAT_NAMES, SparseExchange
-from tf_topk.memory import state_name
+from tf_topk.exchange import STAT_NAMES, SparseExchange, sparsified_positions
+from tf_topk.memory import METHODS, method_code, state_name
 from tf_topk.notices import tell
 
 # ExchangeConfig's fields, which get_config writes flat beside the wrapper's own
@@ -84,6 +84,22 @@ class InnerOverrides:
                     else:
                         delattr(optimizer, name)
         return False
+
+
+# What to do where a checkpoint holds another method's state (said after both methods' names).
+_METHOD_MISMATCH = ("the two keep different state (a residual of gradients, a velocity, a momentum in a DCT's "
+                    "space), so one cannot go on from the other's. Make the optimizer with the method that wrote "
+                    "the checkpoint (decoupled_momentum=True or False, momentum_correction=..., the same density "
+                    "and inner optimizer), or restore the model's weights alone and start the optimizer afresh")
+
+
+def check_saved_method(saved_code, code):
+    """A ValueError naming both methods where a saved `exchange_method` is not this optimizer's."""
+    saved_code = int(saved_code)
+    if code and saved_code != code:
+        written = METHODS[saved_code] if 0 <= saved_code < len(METHODS) else f"an unknown method ({saved_code})"
+        raise ValueError(f"tf_topk: this optimizer's state comes from a checkpoint written with {written}, and "
+                         f"this optimizer runs {METHODS[code]}: {_METHOD_MISMATCH}")
 
 
 # -- argument checks --------------------------------------------------------------------------
@@ -204,11 +220,15 @@ class _FromConfig:
 FROM_CONFIG = _FromConfig()
 
 
-def check_decoupled_momentum(inner_optimizer, adam_classes, keras_name):
+def check_decoupled_momentum(inner_optimizer, adam_classes, keras_name, exchange_inside_inner_apply):
     """decoupled_momentum=True replaces the inner Adam's update of the
     sparsified variables by the sign of the decoded momentum: only Adam and
-    AdamW, without AMSGrad and without an option acting in their own update
-    of those variables (the same ones Adam's momentum correction refuses)."""
+    AdamW, without AMSGrad. Where the exchange runs inside the inner
+    optimizer's own `apply` (Keras 3), Keras unscales, clips and accumulates
+    the gradient before it and constrains and averages (EMA) the variables
+    after it, so every option acts as it does on Adam's own update; where it
+    runs before (tf_keras), an option acting in the inner optimizer's own
+    update of those variables would be skipped, and is refused by name."""
     kind = type(inner_optimizer).__name__
     if not is_adam(inner_optimizer, adam_classes):
         raise ValueError(f"decoupled_momentum=True needs a {keras_name}.optimizers.Adam or AdamW as inner "
@@ -217,35 +237,57 @@ def check_decoupled_momentum(inner_optimizer, adam_classes, keras_name):
     if getattr(inner_optimizer, "amsgrad", False):
         raise ValueError(f"decoupled_momentum=True with {kind} applies the sign of its own momentum, which "
                          "AMSGrad's running maximum would not act on: use amsgrad=False, or decoupled_momentum=False")
-    for name, value in _update_options_in_use(inner_optimizer)[:1]:
+    for name, value in ([] if exchange_inside_inner_apply else _update_options_in_use(inner_optimizer))[:1]:
         raise ValueError(
-            f"decoupled_momentum=True with {kind} applies the sparsified variables' update itself, so the "
-            f"inner optimizer's {name}={value!r} would not act on them: leave {name} unset, or use "
-            f"decoupled_momentum=False (top-k with error feedback in front of the inner {kind})")
+            f"decoupled_momentum=True with {keras_name}'s {kind} applies the sparsified variables' update "
+            f"itself, so the inner optimizer's {name}={value!r} would not act on them: leave {name} unset, use "
+            f"decoupled_momentum=False (top-k with error feedback in front of the inner {kind}), or Keras 3's "
+            "tf_topk.TopKOptimizer, which keeps every option with it")
 
 
-def _decoupled_momentum_chosen(inner_optimizer, adam_classes, config, parts_given):
-    """decoupled_momentum="auto": on for an inner Adam or AdamW that it keeps
-    every option of (no AMSGrad, none of the options it refuses), at a fixed
-    density of DECOUPLED_UP_TO_DENSITY or less (in 8-byte pairs' bytes: twice it
-    with exchange_mode="allgather_int8"), without momentum correction,
-    sparse updates, rescaled residuals or exchange parts given (a selector,
-    memory or router given is the method asked for)."""
+def _decoupled_momentum_chosen(inner_optimizer, adam_classes, config, parts_given, exchange_inside_inner_apply):
+    """decoupled_momentum="auto", resolved: (True, False or "auto", the
+    reason where an inner Adam or AdamW does not get it, else None).
+
+    True for an inner Adam or AdamW without AMSGrad at a fixed density of
+    DECOUPLED_UP_TO_DENSITY or less (in 8-byte pairs' bytes: twice it with
+    exchange_mode="allgather_int8"), with any inner option where the exchange
+    runs inside its `apply` (Keras 3; tf_keras: none of the options it would
+    skip). "auto" with no density given (the autopilot): the plan decides,
+    decoupled momentum where it sparsifies (`SparseExchange`'s
+    `plan_decoupled_momentum`). False with momentum correction, sparse
+    updates, no error feedback, rescaled residuals or exchange parts given
+    (the method asked for), and for the 16-bit dense baseline (every entry
+    sent: the inner optimizer's own update is the baseline)."""
     if parts_given or config.momentum is not None or config.sparse_output or not config.error_feedback \
-            or config.rescale_residuals:
-        return False
-    if not is_adam(inner_optimizer, adam_classes) or getattr(inner_optimizer, "amsgrad", False):
-        return False
-    if _update_options_in_use(inner_optimizer):
-        return False
-    density = config.schedule.settled_density() if config.density is not None else None
-    return density is not None and config.schedule.adaptive is None and \
-        config.density_in_pair_bytes(density) <= DECOUPLED_UP_TO_DENSITY
+            or config.rescale_residuals or not is_adam(inner_optimizer, adam_classes):
+        return False, None
+    kind = type(inner_optimizer).__name__
+    keep = f"top-k with error feedback in front of {kind}"
+    if getattr(inner_optimizer, "amsgrad", False):
+        return False, f"tf_topk: {keep}, not decoupled momentum: amsgrad=True (decoupled momentum has no second moment)"
+    if config.exchange_mode == "dense_bf16":
+        return False, None  # every entry in bfloat16 through the inner optimizer: the 16-bit baseline
+    if not exchange_inside_inner_apply and _update_options_in_use(inner_optimizer):
+        name, value = _update_options_in_use(inner_optimizer)[0]
+        return False, (f"tf_topk: {keep}, not decoupled momentum: tf_keras's {kind} with {name}={value!r}, which "
+                       "decoupled momentum would skip (Keras 3's tf_topk.TopKOptimizer keeps it)")
+    if config.density is None:
+        return ("auto" if config.schedule.autopilot else False), None
+    density = config.schedule.settled_density()
+    if density is None or config.schedule.adaptive is not None:
+        return False, (f"tf_topk: {keep}, not decoupled momentum: it takes a fixed density, got "
+                       f"density={config.density!r}")
+    if config.density_in_pair_bytes(density) > DECOUPLED_UP_TO_DENSITY:
+        return False, (f"tf_topk: {keep} at density {density:g}; decoupled momentum is taken at "
+                       f"{DECOUPLED_UP_TO_DENSITY:g} or less (decoupled_momentum=True takes it here)")
+    return True, None
 
 
 def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name, config=None,
                             momentum_correction=FROM_CONFIG, sparse_updates=FROM_CONFIG,
-                            sparse_updates_available=True, parts_given=False, **options):
+                            sparse_updates_available=True, parts_given=False, exchange_inside_inner_apply=False,
+                            **options):
     """The wrapper's one ExchangeConfig: `config` (None: the defaults) with the
     arguments given (not FROM_CONFIG) in place of its fields.
 
@@ -295,16 +337,16 @@ def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name
             raise ValueError("sparse_updates=True is available with Keras 3 (tf_topk.TopKOptimizer) and custom "
                              f"loops (SparseExchange(sparse_output=True)), not with {keras_name}")
         check_sparse_updates(inner_optimizer, sgd_class, keras_name, bool(momentum_correction))
-    decoupled = changes.get("decoupled_momentum", config.decoupled_momentum)
+    decoupled, note = changes.get("decoupled_momentum", config.decoupled_momentum), None
     if decoupled is True:
         if parts_given:
             raise ValueError("decoupled_momentum=True makes the exchange's memory, which the parts given (selector, "
                              "memory, router) would replace: pass one or the other")
-        check_decoupled_momentum(inner_optimizer, adam_classes, keras_name)
+        check_decoupled_momentum(inner_optimizer, adam_classes, keras_name, exchange_inside_inner_apply)
     elif decoupled == "auto":
-        changes["decoupled_momentum"] = _decoupled_momentum_chosen(inner_optimizer, adam_classes,
-                                                                   config.replace(**changes), parts_given)
-    return config.replace(**changes)
+        changes["decoupled_momentum"], note = _decoupled_momentum_chosen(
+            inner_optimizer, adam_classes, config.replace(**changes), parts_given, exchange_inside_inner_apply)
+    return config.replace(**changes), note
 
 
 def exchange_parts(config, **parts):
@@ -347,11 +389,14 @@ class TopKWrapper:
     `_deserialize_inner(config, custom_objects)` for its Keras.
     """
 
-    def _set_exchange_config(self, config, parts, overrides):
+    def _set_exchange_config(self, config, parts, overrides, note=None):
         """Keep the checked config, the parts for the exchange, and the inner
         optimizer's overrides while this optimizer applies through it (with
-        momentum correction, no second momentum). Outside tracking: plain values."""
+        momentum correction, no second momentum), and the line to say when the
+        exchange is made (`note`: why an inner Adam does not get decoupled
+        momentum). Outside tracking: plain values."""
         object.__setattr__(self, "_exchange_config", config)
+        object.__setattr__(self, "_method_note", note)
         object.__setattr__(self, "_exchange_parts", dict(parts))
         overrides = dict(overrides)
         if self.momentum_correction and config.beta_2 is None:
@@ -377,8 +422,16 @@ class TopKWrapper:
     selection_scope = property(lambda self: self._exchange_config.selection_scope)
     density_warmup_steps = property(lambda self: self._exchange_config.density_warmup_steps)
     momentum_correction = property(lambda self: self._exchange_config.momentum is not None)
-    decoupled_momentum = property(lambda self: self._exchange_config.decoupled_momentum)
+
+    @property
+    def decoupled_momentum(self):
+        """Whether decoupled momentum runs: True or False (the exchange's, once built); "auto" before an
+        optimizer given no density is built, where the autopilot's plan decides."""
+        exchange = self.__dict__.get("_exchange_object")
+        return (self._exchange_config if exchange is None else exchange.config).decoupled_momentum
+
     sparse_updates = property(lambda self: self._exchange_config.sparse_output)
+    link = property(lambda self: self._exchange_config.link)
 
     def _tf_variable(self, variable):
         """The tf.Variable behind one made by `_make_variable`."""
@@ -399,10 +452,46 @@ class TopKWrapper:
         # variables (Keras allows `build([])`; such an optimizer then has nothing to apply to).
         object.__setattr__(self, "_exchange_object", SparseExchange(
             var_list, self._exchange_config, make_state=make_state, saved_plan=self._saved_autopilot_plan(),
+            plan_decoupled_momentum=self._exchange_config.decoupled_momentum == "auto",
             **self._exchange_parts) if var_list else None)
+        if self._method_note and self._exchange_object is not None and self._exchange_object.sparse_positions:
+            tell(self._method_note)
         self.skipped_steps = self._make_variable("skipped_steps", (), "int64", "counter")
         self._stat_variables = {stat: self._make_variable(f"compression_{stat}", (), "float32", "stat")
                                 for stat in STAT_NAMES}
+        # Which method's state this is, saved with it: a checkpoint of another method's is refused
+        # (`_check_method`). Its value is set when it is made, so a restore (deferred or not) overwrites it.
+        exchange = self._exchange_object
+        object.__setattr__(self, "_method_code", 0 if exchange is None else method_code(exchange.memory))
+        self.exchange_method = self._make_variable("exchange_method", (), "int64", "counter",
+                                                   initial=self._method_code)
+
+    def _positions_the_inner_never_updates(self, var_list):
+        """Positions in `var_list` (the variables of `build`) of those whose update the exchange's memory
+        applies itself (`applies_update`: decoupled momentum, Adam's momentum correction): the inner
+        optimizer needs no slots for them. Known before the exchange is made where the method is (a
+        memory given, or one the config names); with no density given, the plan decides, and makes the
+        exchange first."""
+        exchange = self.__dict__.get("_exchange_object")
+        if exchange is not None:
+            return list(exchange.sparse_positions) if exchange.memory.applies_update else []
+        memory, config = self._exchange_parts.get("memory"), self._exchange_config
+        applies = memory.applies_update if memory is not None else \
+            config.decoupled_momentum is True or config.beta_2 is not None
+        return sparsified_positions(var_list, config.min_size) if applies and var_list else []
+
+    def _check_method(self):
+        """Refuse to go on from state another method wrote: the saved `exchange_method` must be this
+        optimizer's (0, a memory of the user's: unchecked). In the step, where a tf.train.Checkpoint's
+        restore (deferred or not) has put it by then."""
+        code = self._method_code
+        if not code:
+            return
+        saved = tf.convert_to_tensor(self._tf_variable(self.exchange_method))
+        written_by = tf.gather(tf.constant(METHODS), tf.clip_by_value(saved, 0, len(METHODS) - 1))
+        tf.debugging.Assert(tf.equal(saved, code), [tf.strings.join([
+            "tf_topk: this optimizer's state was restored from a checkpoint written with ", written_by,
+            f", and this optimizer runs {METHODS[code]}: {_METHOD_MISMATCH}"])])
 
     def _saved_autopilot_plan(self):
         """The autopilot's plan this optimizer came with (`from_config`), or None."""
@@ -464,6 +553,7 @@ class TopKWrapper:
             raise ValueError(f"{type(self).__name__} was built with no variables (build([])), so it has none to "
                              "apply gradients to: build it with the variables it trains")
         exchange = self._exchange_object
+        self._check_method()
         rate = self._learning_rate_now() if exchange.memory.follows_learning_rate else None
         result = exchange(grads, step=self.iterations, learning_rate=rate)
         for stat, variable in self._stat_variables.items():

@@ -32,6 +32,7 @@ import dataclasses
 import math
 import os
 
+from tf_topk.config import LINK_ENV
 from tf_topk.cost import AUTO_AGREED_SLOTS, CostModel, LinkModel
 
 # The link assumed when nothing can be measured (an exchange made in a traced function).
@@ -57,6 +58,16 @@ CLOSE_CALL_SLACK = 0.05
 # noise, while every entry sent dense costs no accuracy. On localhost the demo's trial timed
 # the sparse step 1.2-1.35x faster, and trained slower than dense (9.0 ms against 7.7 ms a step).
 SPARSE_MUST_WIN_BY = 1.5
+# With decoupled momentum (an inner Adam or AdamW) a plan that sparsifies sends a fixed density, not an
+# adaptive one (the momentum lives in the DCT's space, where the adaptive rule's profile of the gradient
+# means nothing): the first of the densities decoupled momentum was measured at
+# (benchmarks/RESULTS.md#decoupled-momentum-for-adamw-demo)
+# whose exchange is predicted FIXED_DENSITY_SAVING times faster than sending every entry, or that the
+# next would not make twice as fast (a link where latency, not bytes, sets the time), else the last.
+# A tenth of dense's exchange leaves little to gain from fewer pairs (at most that tenth of a step),
+# and 0.01 is the more accurate.
+DECOUPLED_DENSITIES = (0.01, 0.001)
+FIXED_DENSITY_SAVING = 10.0
 # Set to 1, the chief prints the calibration's figures (`Plan.describe()`) under the decision's line.
 VERBOSE_ENV = "TF_TOPK_VERBOSE"
 # Densities `advise` tabulates.
@@ -73,6 +84,11 @@ class Plan:
     calibration: object
     entries: int
     small_entries: int = 0
+    # The inner optimizer takes decoupled momentum where the plan sparsifies: a fixed density
+    # (`fixed_density`). Not saved: it is the optimizer's, set again where the plan is used.
+    decoupled: bool = False
+    # The link the user stated (`link=` or TF_TOPK_LINK), where nothing was measured: the model is its.
+    link: object = None
 
     def dense_route(self):
         """"dense" or "dense_bf16" where no density of the adaptive range would
@@ -90,28 +106,59 @@ class Plan:
         return self.model.choose(max(1, self.entries), 0, ("dense", "dense_bf16"), self.small_entries) \
             if dense_s <= sparse_s else None
 
-    def _predicted_steps(self):
-        """(the faster of dense and dense_bf16, the sparse end's fastest step), predicted seconds."""
+    def _predicted_steps(self, density=None):
+        """(the faster of dense and dense_bf16, the fastest sparse step at `density`), predicted seconds;
+        `density` None: the sparse end (`sparsest_density`)."""
         entries, small = max(1, self.entries), self.small_entries
-        fewest = max(1, math.ceil(MIN_DENSITY * entries))
-        sparse = min(self.model.route_time(route, fewest, entries, small) for route in ("allgather", "allreduce"))
+        pairs = max(1, math.ceil((density or self.sparsest_density()) * entries))
+        sparse = min(self.model.route_time(route, pairs, entries, small) for route in ("allgather", "allreduce"))
         dense = self.model.choose(entries, 0, ("dense", "dense_bf16"), small)
         return self.model.route_time(dense, 0, entries, small), sparse
+
+    def sparsest_density(self):
+        """The fewest pairs the plan may send: the adaptive range's bottom, or with decoupled momentum
+        the last of its fixed densities."""
+        return DECOUPLED_DENSITIES[-1] if self.decoupled else MIN_DENSITY
+
+    def fixed_density(self):
+        """With decoupled momentum, where the plan sparsifies: the first of DECOUPLED_DENSITIES whose
+        exchange is predicted FIXED_DENSITY_SAVING times faster than sending every entry, or that the
+        next would not make twice as fast, else the last. None otherwise."""
+        if not self.decoupled or self.dense_route():
+            return None
+        for density, sparser in zip(DECOUPLED_DENSITIES, DECOUPLED_DENSITIES[1:]):
+            dense_s, sparse_s = self._predicted_steps(density)
+            if FIXED_DENSITY_SAVING * sparse_s <= dense_s or 2.0 * self._predicted_steps(sparser)[1] > sparse_s:
+                return density
+        return DECOUPLED_DENSITIES[-1]
+
+    def method(self):
+        """What runs, in words: "every entry, dense" (or dense_bf16), "decoupled momentum (DeMo) at
+        density D", or "top-k with error feedback at an adaptive density"."""
+        dense = self.dense_route()
+        if dense:
+            return f"every entry, {dense}"
+        if self.decoupled:
+            return f"decoupled momentum (DeMo) at density {self.fixed_density():g}"
+        return f"top-k with error feedback at an adaptive density {MIN_DENSITY:g} to {self.max_density():.3g}"
 
     def route(self):
         """The route this plan's router takes for one bucket of every
         sparsifiable entry: `dense_route()`, or the sparse route predicted
         fastest at TYPICAL_DENSITY (as `router()` settles it)."""
-        return self.dense_route() or self.model.sparse_route_at(max(1, self.entries), TYPICAL_DENSITY,
+        return self.dense_route() or self.model.sparse_route_at(max(1, self.entries),
+                                                                self.fixed_density() or TYPICAL_DENSITY,
                                                                 self.small_entries)
 
     def router(self):
-        """A TimedRouter over the model, or a FixedRouter of `dense_route()` where that holds."""
+        """A TimedRouter over the model (its sparse route settled at TYPICAL_DENSITY, or at decoupled
+        momentum's fixed density), or a FixedRouter of `dense_route()` where that holds."""
         from tf_topk.routes import ROUTES, FixedRouter, TimedRouter
 
         dense = self.dense_route()
-        return FixedRouter(ROUTES[dense]) if dense else TimedRouter(self.model, self.small_entries,
-                                                                    typical_density=TYPICAL_DENSITY)
+        if dense:
+            return FixedRouter(ROUTES[dense])
+        return TimedRouter(self.model, self.small_entries, typical_density=self.fixed_density() or TYPICAL_DENSITY)
 
     def density(self, replicas=None):
         """An AdaptiveDensity over the measured link (all-reduce latency and
@@ -128,6 +175,8 @@ class Plan:
 
         if self.dense_route():
             return 1.0
+        if self.decoupled:
+            return self.fixed_density()
         link = self.model.all_reduce
         bandwidth = MAX_BANDWIDTH_BYTES_PER_S if link.seconds_per_byte == 0 else \
             min(1.0 / link.seconds_per_byte, MAX_BANDWIDTH_BYTES_PER_S)
@@ -164,7 +213,7 @@ class Plan:
         without its points and phases (one worker's). `Plan.from_config` makes the same
         plan again, and so the same decisions, without measuring."""
         if self.calibration is None:
-            raise ValueError("only a measured plan is saved (this one assumed its link)")
+            raise ValueError("only a measured plan is saved (this one assumed or was told its link)")
         calibration = {field.name: getattr(self.calibration, field.name)
                        for field in dataclasses.fields(self.calibration) if field.name not in ("points", "phases")}
         calibration["model"] = dataclasses.asdict(calibration["model"])
@@ -184,33 +233,39 @@ class Plan:
         """The line the chief prints: what the plan runs, why (the step times it compared: timed where
         the calibration timed both steps, else predicted) and how to override it. The figures behind
         it are `describe()`'s, printed too with TF_TOPK_VERBOSE=1."""
-        if self.entries == 0 or self.model.replicas == 1 or self.calibration is None:
-            return self.describe()  # nothing measured: that line says what runs and why
+        if self.entries == 0 or self.model.replicas == 1 or (self.calibration is None and self.link is None):
+            return self.describe()  # nothing measured or stated: that line says what runs and why
         dense = self.dense_route()
-        trial = self.calibration.trial()
+        trial = None if self.calibration is None else self.calibration.trial()
         if trial is not None:
             dense_s, sparse_s = trial
             how = "timed"
         else:  # `dense_route`'s comparison: every entry against the sparse end's fastest step
-            dense_s, sparse_s = self._predicted_steps()
+            dense_s, sparse_s = self._predicted_steps(self.fixed_density())
             how = "predicted"
-        where = "" if trial is not None else f" at density {MIN_DENSITY:g}"
+        where = "" if trial is not None else f" at density {self.fixed_density() or self.sparsest_density():g}"
         asked = "" if trial is None else f", {SPARSE_MUST_WIN_BY:g}x asked"
+        link = "" if self.link is None else f" (the stated link {self.link}, {_replicas(self.model.replicas)})"
         times = (f"a step {how} {dense_s * 1e3:,.1f} ms sending every entry, {sparse_s * 1e3:,.1f} ms sparse{where} "
                  f"(sparse {dense_s / sparse_s:.2f}x as fast{asked})" if sparse_s > 0 else
                  f"a step {how} {dense_s * 1e3:,.1f} ms sending every entry")
         if dense:
-            return (f"tf_topk autopilot: every entry, {dense}: {times}; density=0.01 (any fixed density) "
+            return (f"tf_topk autopilot{link}: every entry, {dense}: {times}; density=0.01 (any fixed density) "
                     f"sparsifies anyway, TF_TOPK_VERBOSE=1 prints the calibration")
-        return (f"tf_topk autopilot: {self.route()}, adaptive density {MIN_DENSITY:g} to {self.max_density():.3g}: "
-                f"{times}; density=1.0 sends every entry, density=0.01 a fixed density, TF_TOPK_VERBOSE=1 "
-                "prints the calibration")
+        if self.decoupled:
+            return (f"tf_topk autopilot{link}: {self.method()}, fixed (of "
+                    f"{', '.join(f'{d:g}' for d in DECOUPLED_DENSITIES)}, the first whose exchange is predicted "
+                    f"{FIXED_DENSITY_SAVING:g}x faster than every entry's or not twice as slow as the next's), "
+                    f"{self.route()}: {times}; density=D sets "
+                    "another fixed density, density=1.0 sends every entry, decoupled_momentum=False runs top-k in "
+                    "front of the inner optimizer at an adaptive density")
+        return (f"tf_topk autopilot{link}: {self.route()}, adaptive density {MIN_DENSITY:g} to "
+                f"{self.max_density():.3g}: {times}; density=1.0 sends every entry, density=0.01 a fixed density, "
+                "TF_TOPK_VERBOSE=1 prints the calibration")
 
     def describe(self):
         dense = self.dense_route()
-        top = self.max_density()
-        choice = f"; every entry, {dense}" if dense else \
-            f"; {self.route()}, adaptive density {MIN_DENSITY:g} to {top:.3g}"
+        choice = f"; {self.method()}" + ("" if dense else f", {self.route()}")
         if self.entries == 0:
             return ("tf_topk autopilot: no variable of min_size entries or more, nothing to sparsify: every "
                     "entry, dense (nothing measured)")
@@ -218,9 +273,11 @@ class Plan:
             return f"tf_topk autopilot: {self.calibration.describe()}{choice}"
         if self.model.replicas == 1:
             return f"tf_topk autopilot: one replica, nothing to exchange{choice}"
+        if self.link is not None:
+            return f"tf_topk autopilot: the stated link {self.link}, {self.model.describe()}{choice}"
         return (f"tf_topk autopilot: nothing measured (the exchange was made in a traced function or a replica "
-                f"context; build the optimizer under strategy.scope() before training to measure), assuming "
-                f"{self.model.describe()}{choice}")
+                f"context; build the optimizer under strategy.scope() before training to measure, or state the "
+                f"link: link='1gbit' or {LINK_ENV}=1gbit), assuming {self.model.describe()}{choice}")
 
 
 def _replicas(count):
@@ -261,7 +318,7 @@ def _cluster_key(strategy):
             json.dumps(cluster, sort_keys=True))
 
 
-def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=None):
+def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=None, decoupled=False, link=None):
     """The autopilot's Plan for an exchange of `entries` sparsifiable entries
     and `small_entries` dense-path ones under `strategy` (default: the
     current one). One replica sends nothing: every entry, dense, without a
@@ -270,14 +327,26 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
     min_size). `saved`: a plan's `get_config()` kept with a model; where the
     replicas and the model's sizes are the same it is the plan (an exact
     resume, nothing measured), else the cluster is measured again and the
-    line says why."""
+    line says why. `decoupled`: the inner optimizer takes decoupled momentum
+    where the plan sparsifies (`Plan.decoupled`). `link`: a rate ("100mbit")
+    stated instead of measuring, else the TF_TOPK_LINK environment variable's,
+    else measured: a stated link plans the same on every run (nothing timed),
+    and is not saved (the same statement makes the same plan)."""
     import tensorflow as tf
 
     from tf_topk.notices import tell
 
     strategy = strategy or tf.distribute.get_strategy()
+    link = stated_link(link)
+    if link is not None:
+        model = CostModel.from_link(strategy.num_replicas_in_sync, link)
+        result = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries,
+                      decoupled, link)
+        if log:
+            tell(result.decision())
+        return result
     if saved is not None:
-        restored = Plan.from_config(saved)
+        restored = dataclasses.replace(Plan.from_config(saved), decoupled=decoupled)
         now = (strategy.num_replicas_in_sync, entries, small_entries)
         then = (restored.model.replicas, restored.entries, restored.small_entries)
         if now == then:
@@ -300,16 +369,28 @@ def plan(entries, small_entries=0, strategy=None, budget_s=2.0, log=True, saved=
             tell("tf_topk autopilot: the same cluster and model sizes as an earlier plan in this process: its "
                  "measurement reused")
         model = dataclasses.replace(found.model, agreed_slots=AUTO_AGREED_SLOTS)
-        result = Plan(model, found, entries, small_entries)
+        result = Plan(model, found, entries, small_entries, decoupled)
     else:
         model = CostModel.from_link(strategy.num_replicas_in_sync, ASSUMED_LINK)
-        result = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries)
+        result = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries,
+                      decoupled)
     if log:
         decision = result.decision()
         tell(decision)
         if os.environ.get(VERBOSE_ENV, "0") not in ("", "0") and decision != result.describe():
             tell(result.describe())
     return result
+
+
+def stated_link(link=None):
+    """The link rate the user stated: `link`, else the TF_TOPK_LINK environment variable's, else None
+    (measure). A bad value is a ValueError naming where it came from."""
+    from tf_topk.config import LINK_ENV, check_link
+
+    if link is not None:
+        return check_link(link, "link")
+    from_env = os.environ.get(LINK_ENV, "").strip()
+    return check_link(from_env, LINK_ENV) if from_env else None
 
 
 def measure(strategy, entries, small_entries=0, budget_s=2.0):
@@ -326,7 +407,7 @@ def measure(strategy, entries, small_entries=0, budget_s=2.0):
                      decide_at=SPARSE_MUST_WIN_BY)
 
 
-def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0):
+def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0, decoupled=False):
     """Predicted seconds per step of exchanging `entries` entries by every
     route at every density, the fastest route at each fixed density, and
     what the autopilot would do on `model`'s cluster (its own Plan, so the
@@ -340,14 +421,18 @@ def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0):
     (`CostModel.choose` with every route open: a density whose sparse routes
     are slower than a dense one goes dense), "dense_end": the faster of
     dense and dense_bf16, "autopilot": `Plan.route()`, "autopilot_range":
-    None where it sends every entry, else its density range}. Which density
-    the autopilot runs at within that range depends on the gradients.
+    None where it sends every entry, else its density range, "method": what
+    runs in words (`Plan.method`), "autopilot_density": the fixed density it
+    sends with decoupled momentum, else None}. Which density the autopilot
+    runs at within an adaptive range depends on the gradients. decoupled: the
+    inner optimizer is Adam or AdamW, which takes decoupled momentum at a
+    fixed density where the plan sparsifies (`Plan.fixed_density`).
 
     >>> advice = advise(CostModel.from_link(8, "100mbit"), 12_609_546)
     >>> advice["dense_end"], advice["choices"][0.01], advice["choices"][0.0001], advice["autopilot"]
     ('dense_bf16', 'allreduce', 'allgather', 'allgather')
     """
-    plan = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries)
+    plan = Plan(dataclasses.replace(model, agreed_slots=AUTO_AGREED_SLOTS), None, entries, small_entries, decoupled)
     model = plan.model
     rows = [_row(model, route, None, 0, entries, small_entries) for route in ("dense", "dense_bf16")]
     choices = {}
@@ -357,8 +442,8 @@ def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0):
         choices[density] = model.choose(entries, k, small_entries=small_entries)
     return {"rows": rows, "choices": choices,
             "dense_end": model.choose(entries, 0, ("dense", "dense_bf16"), small_entries),
-            "autopilot": plan.route(), "autopilot_range": None if plan.dense_route() else (MIN_DENSITY,
-                                                                                           plan.max_density())}
+            "autopilot": plan.route(), "method": plan.method(), "autopilot_density": plan.fixed_density(),
+            "autopilot_range": None if plan.dense_route() or decoupled else (MIN_DENSITY, plan.max_density())}
 
 
 def _row(model, route, density, k, entries, small_entries):
@@ -379,7 +464,6 @@ def format_advice(model, entries, advice):
     lines.append("fastest route at a fixed density: " + "; ".join(f"density {d:g} -> {route}"
                                                                   for d, route in advice["choices"].items())
                  + f"; dense end -> {advice['dense_end']}")
-    span = advice["autopilot_range"]
-    lines.append(f"autopilot: {advice['autopilot']}" + ("" if span is None else
-                                                        f", adaptive density {span[0]:g} to {span[1]:g}"))
+    lines.append(f"autopilot: {advice['method']}" + ("" if advice["method"].startswith("every entry") else
+                                                      f", {advice['autopilot']}"))
     return "\n".join(lines)

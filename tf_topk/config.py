@@ -106,6 +106,23 @@ def check_warmup_steps(warmup_steps):
     return warmup_steps
 
 
+# The link the autopilot plans for where none is given as `link=`: this environment variable's, else measured.
+LINK_ENV = "TF_TOPK_LINK"
+
+
+def check_link(link, name):
+    """A link rate as `tf_topk.cost.parse_rate` reads it ("100mbit", "1gbit", "10gbit"), finite."""
+    from tf_topk.cost import parse_rate
+
+    try:
+        rate = parse_rate(link) if isinstance(link, str) else None
+    except ValueError:
+        rate = None
+    if rate is None:
+        raise ValueError(f"{name} must be a link rate such as '100mbit', '1gbit' or '10gbit', got {link!r}")
+    return link
+
+
 def check_decoupled_momentum(value):
     if value != "auto" and not isinstance(value, bool):
         raise ValueError(f"decoupled_momentum must be 'auto', True or False, got {value!r}")
@@ -144,6 +161,10 @@ def _check_decoupled_momentum_options(config):
     if config.schedule.adaptive is not None or config.schedule.autopilot:
         raise ValueError("decoupled_momentum=True takes a fixed density or a schedule, not an adaptive density "
                          f"or the autopilot, got density={config.density!r}")
+    if config.exchange_mode == "dense_bf16":
+        raise ValueError("exchange_mode='dense_bf16' sends every entry, the 16-bit baseline of the inner "
+                         "optimizer: decoupled momentum would be a sign step of every replica's momentum, not that "
+                         "baseline; pass decoupled_momentum=False (or 'auto') with it")
 
 
 def _check_rescale_residuals(config):
@@ -240,9 +261,12 @@ class ExchangeConfig:
         (default): the Keras wrappers choose it for an inner Adam or AdamW
         at a fixed density of DECOUPLED_UP_TO_DENSITY (0.01) or less (0.02
         with "allgather_int8", which sends the same bytes)
-        (`tf_topk.adapter.wrapper_exchange_config`); an exchange made from
-        the config alone, which has no inner optimizer, takes it as False.
-        Not with momentum correction, sparse_output or an adaptive density.
+        (`tf_topk.adapter.wrapper_exchange_config`), and with no density
+        given, wherever the autopilot's plan sparsifies, at the plan's fixed
+        density (`tf_topk.autopilot.Plan.fixed_density`); an exchange made
+        from the config alone, which has no inner optimizer, takes it as
+        False. Not with momentum correction, sparse_output, an adaptive
+        density or "dense_bf16" (the inner optimizer's 16-bit baseline).
       rescale_residuals: plain error feedback whose residual follows the
         learning rate: before each step it is multiplied by the previous
         step's rate over this step's, so an entry sent late moves its
@@ -252,6 +276,11 @@ class ExchangeConfig:
         rate. Needs the learning rate at each call (the Keras wrappers pass
         it); not with momentum correction or decoupled momentum (with an
         inner Adam, decoupled_momentum="auto" then keeps plain error feedback).
+      link: the cluster's link as a rate ("100mbit", "1gbit", "10gbit"),
+        stated instead of measured: the autopilot (no density given) plans
+        for it, with 0.5 ms a collective, and so plans the same on every run.
+        None (the default): the TF_TOPK_LINK environment variable's, else the
+        cluster measured. Only with no density given (else a ValueError).
 
     Frozen and checked when made: a bad value raises a ValueError that names
     it. `replace(**changes)` makes a checked copy.
@@ -276,6 +305,7 @@ class ExchangeConfig:
     density_warmup_steps: Any = "auto"
     decoupled_momentum: Any = "auto"
     rescale_residuals: bool = False
+    link: Optional[str] = None
 
     def __post_init__(self):
         check_method(self.method)
@@ -323,6 +353,13 @@ class ExchangeConfig:
                                  "warm-up: pass exchange_mode='allgather' or 'auto'")
         if self.rescale_residuals:
             _check_rescale_residuals(self)
+        if self.link is not None:
+            check_link(self.link, "link")
+            if not self.schedule.autopilot:
+                raise ValueError(f"link={self.link!r} states the cluster's link for the autopilot, which plans only "
+                                 f"with no density given; got density={self.density!r}"
+                                 + (f" and exchange_mode={self.exchange_mode!r}" if self.exchange_mode != "auto" else "")
+                                 + ": leave link out, or leave density out")
         for name in ("error_feedback", "nesterov", "momentum_masking", "sparse_output", "rescale_residuals"):
             object.__setattr__(self, name, bool(getattr(self, name)))
 
@@ -413,6 +450,7 @@ class ExchangeConfig:
         config.setdefault("density_warmup_steps", 0)
         config.setdefault("decoupled_momentum", False)  # written before it existed: the method it ran
         config.setdefault("rescale_residuals", False)
+        config.setdefault("link", None)
         if isinstance(config.get("density"), list):  # JSON turns (step, density) pairs into lists
             config["density"] = [tuple(pair) if isinstance(pair, list) else pair for pair in config["density"]]
         return cls(**config)

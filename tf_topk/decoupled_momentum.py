@@ -21,6 +21,7 @@ linear, so the momentum can live in the transformed space, and the sum over repl
 sent is the transform of the sum.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -33,17 +34,73 @@ DEFAULT_CHUNK = 64
 DEFAULT_DECAY = 0.999
 
 
-def block_side(dimension, chunk):
-    """The largest divisor of `dimension` up to `chunk`."""
-    return max(d for d in range(1, min(dimension, chunk) + 1) if dimension % d == 0)
+def block_sides(dimension, chunk):
+    """The blocks along one axis of `dimension` entries: ceil(dimension / chunk) of them, as equal as
+    can be, as (side, count) pairs, the larger side first. Any dimension gets blocks of about `chunk`
+    (a prime 97: 49 and 48), so no dimension falls to blocks one entry wide, which would leave its
+    entries untransformed (a coefficient would move one entry, not a block)."""
+    count = -(-dimension // chunk)
+    side, larger = divmod(dimension, count)
+    return [(s, c) for s, c in ((side + 1, larger), (side, count - larger)) if c]
 
 
-def dct_matrix(size):
-    """The orthonormal DCT-II matrix D (size x size): coefficients = D @ x, x = D.T @ coefficients."""
+@functools.lru_cache(maxsize=None)
+def _dct_matrix64(size):
     n = np.arange(size)
     matrix = np.cos(np.pi * (2 * n[None, :] + 1) * n[:, None] / (2 * size)) * math.sqrt(2.0 / size)
     matrix[0] /= math.sqrt(2.0)
-    return matrix.astype(np.float32)
+    matrix.setflags(write=False)
+    return matrix
+
+
+def dct_matrix(size, dtype=np.float32):
+    """The orthonormal DCT-II matrix D (size x size): coefficients = D @ x, x = D.T @ coefficients."""
+    return _dct_matrix64(size).astype(dtype)
+
+
+class _Plane:
+    """The blockwise 2-D DCT of a [rows, columns] matrix: the matrix cut into regions of equal blocks
+    (at most two block sides along each axis, `block_sides`), each region's blocks transformed by one
+    einsum and laid out block after block, row-major within a block, the regions one after another."""
+
+    def __init__(self, rows, columns, row_blocks, column_blocks):
+        self.rows, self.columns = rows, columns
+        self.row_blocks, self.column_blocks = row_blocks, column_blocks
+        self.size = rows * columns
+
+    def forward(self, matrix):
+        parts, top = [], 0
+        for a, count_a in self.row_blocks:
+            left = 0
+            for b, count_b in self.column_blocks:
+                region = matrix[top:top + a * count_a, left:left + b * count_b] \
+                    if len(self.row_blocks) * len(self.column_blocks) > 1 else matrix
+                x = tf.reshape(region, [count_a, a, count_b, b])
+                y = tf.einsum("ua,iajb,vb->ijuv", _matrix(a, x.dtype), x, _matrix(b, x.dtype))
+                parts.append(tf.reshape(y, [-1]))
+                left += b * count_b
+            top += a * count_a
+        return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
+
+    def inverse(self, flat):
+        sizes = [a * count_a * b * count_b for a, count_a in self.row_blocks for b, count_b in self.column_blocks]
+        pieces = iter(tf.split(flat, sizes) if len(sizes) > 1 else [flat])
+        bands = []
+        for a, count_a in self.row_blocks:
+            band = []
+            for b, count_b in self.column_blocks:
+                y = tf.reshape(next(pieces), [count_a, count_b, a, b])
+                x = tf.einsum("ua,ijuv,vb->iajb", _matrix(a, y.dtype), y, _matrix(b, y.dtype))
+                band.append(tf.reshape(x, [a * count_a, b * count_b]))
+            bands.append(band[0] if len(band) == 1 else tf.concat(band, 1))
+        return bands[0] if len(bands) == 1 else tf.concat(bands, 0)
+
+
+def _matrix(side, dtype):
+    """The DCT matrix of `side` as a constant of the graph being built, in `dtype` (a constant made
+    once and kept would belong to the first graph that made it: a second trace, as Keras's
+    LossScaleOptimizer's, could not reach it)."""
+    return tf.constant(dct_matrix(side, dtype.as_numpy_dtype))
 
 
 def is_embedding_table(variable):
@@ -54,32 +111,58 @@ def is_embedding_table(variable):
 
 
 class BlockDCT:
-    """The blockwise 2-D DCT of one variable's shape, and its inverse, on flat tensors
-    (`rows_apart`: blocks one row high, a DCT along each row only)."""
+    """The blockwise 2-D DCT of one variable's shape, and its inverse, on flat tensors.
 
-    def __init__(self, shape, chunk=DEFAULT_CHUNK, rows_apart=False):
+    The variable is seen as a matrix, its last axis the columns and the others the rows; a 1-D
+    variable of n entries as rows of `chunk` ([n // chunk, chunk], its last n % chunk entries a row of
+    their own), so that its blocks hold up to chunk x chunk entries as a matrix's do. Each axis is cut
+    by `block_sides`. rows_apart: blocks one row high (an embedding table: a DCT along each row only);
+    columns_apart: one column wide. Where ceil(dimension / chunk) blocks of one side fit a dimension
+    exactly (128, 96, 100, ...) they are the blocks of earlier versions (the largest divisor up to
+    `chunk`), so a checkpoint's momentum keeps its meaning; dimensions no such side fits (97, 130, ...)
+    and 1-D variables had other blocks before (the largest divisor, 1 for a prime; one row high).
+    """
+
+    def __init__(self, shape, chunk=DEFAULT_CHUNK, rows_apart=False, columns_apart=False):
         shape = [int(d) for d in shape]
-        columns = shape[-1] if shape else 1
-        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-        self.rows, self.columns = rows, columns
-        self.row_side = 1 if rows_apart else block_side(rows, chunk)
-        self.column_side = block_side(columns, chunk)
-        self._row_matrix = tf.constant(dct_matrix(self.row_side))
-        self._column_matrix = tf.constant(dct_matrix(self.column_side))
+        size = int(np.prod(shape)) if shape else 1
+        if len(shape) >= 2:
+            views = [(size // shape[-1] if shape[-1] else 0, shape[-1])]
+        elif size > chunk:
+            views = [(size // chunk, chunk)] + ([(1, size % chunk)] if size % chunk else [])
+        else:
+            views = [(1, size)]
+        self.planes = [_Plane(rows, columns, [(1, rows)] if rows_apart else block_sides(rows, chunk),
+                              [(1, columns)] if columns_apart else block_sides(columns, chunk))
+                       for rows, columns in views]
+        self.size = size
+        # The largest block's sides (the first plane's first region).
+        self.row_side = self.planes[0].row_blocks[0][0]
+        self.column_side = self.planes[0].column_blocks[0][0]
 
-    def _blocks(self):
-        return [self.rows // self.row_side, self.row_side, self.columns // self.column_side, self.column_side]
+    def blocks(self):
+        """Every block as (first coefficient, rows, columns), in the flat order of the coefficients."""
+        found, offset = [], 0
+        for plane in self.planes:
+            for a, count_a in plane.row_blocks:
+                for b, count_b in plane.column_blocks:
+                    found += [(offset + i * a * b, a, b) for i in range(count_a * count_b)]
+                    offset += a * count_a * b * count_b
+        return found
+
+    def _per_plane(self, flat, transform, shape_of):
+        if len(self.planes) == 1:
+            return tf.reshape(transform(self.planes[0], tf.reshape(flat, shape_of(self.planes[0]))), [-1])
+        pieces = tf.split(flat, [plane.size for plane in self.planes])
+        return tf.concat([tf.reshape(transform(plane, tf.reshape(piece, shape_of(plane))), [-1])
+                          for plane, piece in zip(self.planes, pieces)], 0)
 
     def forward(self, flat):
         """Coefficients, flat, each block's row-major and contiguous."""
-        x = tf.reshape(flat, self._blocks())  # [I, a, J, b]
-        y = tf.einsum("ua,iajb,vb->ijuv", self._row_matrix, x, self._column_matrix)
-        return tf.reshape(y, [-1])
+        return self._per_plane(flat, _Plane.forward, lambda plane: [plane.rows, plane.columns])
 
     def inverse(self, flat):
-        y = tf.reshape(flat, [self._blocks()[0], self._blocks()[2], self.row_side, self.column_side])
-        x = tf.einsum("ua,ijuv,vb->iajb", self._row_matrix, y, self._column_matrix)
-        return tf.reshape(x, [-1])
+        return self._per_plane(flat, _Plane.inverse, lambda plane: [-1])
 
 
 class DecoupledMomentumMemory(ErrorFeedbackMemory):
@@ -97,6 +180,7 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
     """
 
     applies_update = True
+    method = "decoupled momentum"
 
     def __init__(self, decay=DEFAULT_DECAY, chunk=DEFAULT_CHUNK, sign=True, embedding_rows_apart=True):
         super().__init__()
@@ -130,6 +214,6 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
         return Compensation(coefficients, self.decay * tf.reshape(tf.convert_to_tensor(residual), [-1]), None)
 
     def apply_sparse(self, slot, summed, keep):
-        decoded = self.transforms[slot].inverse(tf.cast(tf.reshape(summed, [-1]), tf.float32))
+        decoded = self.transforms[slot].inverse(tf.cast(tf.reshape(summed, [-1]), self.residuals[slot].dtype))
         direction = tf.sign(decoded) if self.sign else decoded
         return tf.reshape(tf.cast(direction, summed.dtype), tf.shape(summed))

@@ -50,8 +50,10 @@ from tf_topk.config import FIXED_DEFAULT_DENSITY
 from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable, memory_for
 from tf_topk.notices import tell
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
-from tf_topk.routes import (MODE_CODES, AgreedIndexRoute, AgreedOrDenseRoute, AllGatherOrDenseRoute, AllGatherRoute,
-                            Bucket, Router, all_reduce_dense, carries, ring_all_reduce_bytes, router_for, taken_out)
+from tf_topk.routes import (MODE_CODES, ROUTES, AgreedIndexRoute, AgreedOrDenseRoute, AllGatherOrDenseRoute,
+                            AllGatherRoute, Bucket, Router, all_reduce_dense, carries, ring_all_reduce_bytes,
+                            router_for, taken_out)
+from tf_topk.routes.packed import INDEX_BITS, MAX_BUCKET_ENTRIES, Int8AllGatherRoute
 from tf_topk.selector import Selector, TopKSelector, select_over_bucket
 from tf_topk.step_density import replica_counter, step_density_for
 from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd, to_dense  # noqa: F401  public here too
@@ -120,6 +122,12 @@ class SparseExchange(tf.Module):
         (`exchange.autopilot_plan.get_config()`, which the Keras wrappers
         save in their config): reused where the replicas and the variables'
         sizes are the same, else the cluster is measured again.
+      plan_decoupled_momentum: with the autopilot, where its plan
+        sparsifies, decoupled momentum at the plan's fixed density
+        (`tf_topk.autopilot.Plan.fixed_density`) in place of error feedback
+        at an adaptive density. The Keras wrappers pass True for an inner
+        Adam or AdamW (they apply its directions); where the plan sends every
+        entry, the inner optimizer's own update runs.
 
     With `sparse_output`, each sparsified variable's gradient comes back as a
     `SparseGradient` (a row of pairs per replica, or one summed row with
@@ -130,7 +138,8 @@ class SparseExchange(tf.Module):
     _TF_MODULE_IGNORED_PROPERTIES = tf.Module._TF_MODULE_IGNORED_PROPERTIES | {"_calls", "step_density"}
 
     def __init__(self, variables, config=None, *, selector=None, memory=None, router=None, residuals=None,
-                 make_state=None, name="sparse_exchange", communicator=None, saved_plan=None, **options):
+                 make_state=None, name="sparse_exchange", communicator=None, saved_plan=None,
+                 plan_decoupled_momentum=False, **options):
         super().__init__(name=name)
         if communicator is not None:
             raise TypeError("communicator=... was replaced by routes: pass router=tf_topk.routes.FixedRouter(route) "
@@ -158,8 +167,11 @@ class SparseExchange(tf.Module):
             specs = [_spec(v, self.config.min_size) for v in variables]
             self.autopilot_plan = autopilot.plan(sum(spec.size for spec in specs if spec.sparse),
                                                  sum(spec.size for spec in specs if not spec.sparse) + 1,
-                                                 saved=saved_plan)
-            self.config = self.config.replace(density=self.autopilot_plan.density())
+                                                 saved=saved_plan, decoupled=plan_decoupled_momentum,
+                                                 link=self.config.link)
+            decoupled = self.autopilot_plan.fixed_density() is not None
+            self.config = self.config.replace(density=self.autopilot_plan.density(), link=None,
+                                              decoupled_momentum=decoupled)
             if self.autopilot_plan.dense_route() and self.config.momentum is not None:
                 # Every entry is sent: momentum factor masking, if asked for, would clear every velocity
                 # each step (plain SGD); unmasked, the replicas' velocities sum to the momentum of the
@@ -196,6 +208,12 @@ class SparseExchange(tf.Module):
         self.sparse_positions = [i for i, s in enumerate(self._specs) if s.sparse]
         self.dense_positions = [i for i, s in enumerate(self._specs) if not s.sparse]
         self._buckets = _buckets(self._specs, self.sparse_positions, self.config)
+        if self.config.exchange_mode == "allgather_int8":
+            for position in self.sparse_positions:
+                if self._specs[position].size > MAX_BUCKET_ENTRIES:
+                    tell(f"tf_topk: {self._specs[position].name.split(':')[0]} has {self._specs[position].size:,} entries, more "
+                         f"than exchange_mode='allgather_int8' indexes in {INDEX_BITS} bits ({MAX_BUCKET_ENTRIES:,}): "
+                         "it travels as 8-byte pairs (float32 values, int32 indices) in a bucket of its own")
         # k of each variable at each step, and what choosing it needs gathered (tf_topk.step_density).
         object.__setattr__(self, "step_density", step_density_for(
             self.config.schedule, self.router, sum(self._specs[i].size for i in self.sparse_positions),
@@ -321,6 +339,8 @@ class SparseExchange(tf.Module):
         collective (agreed indices or all_gather of all n; a collective may not
         sit in a branch)."""
         route = self.router.route(bucket, replicas)
+        if isinstance(route, Int8AllGatherRoute) and bucket.size > MAX_BUCKET_ENTRIES:
+            route = ROUTES["allgather"]  # one variable beyond the packed index's reach (`_buckets`)
         if not self.memory.may_send_every_entry:
             return bucket, route
         dense_when = self.memory.sends_every_entry()
@@ -471,16 +491,20 @@ def _all_reduce_every_entry(grads, context, specs, residuals, waiting):
 
 def _buckets(specs, sparse_positions, config):
     """Consecutive sparsified variables, at most `config.bucket_bytes` of pairs
-    each (once a warm-up is over: its first steps send more)."""
-    buckets, current, current_bytes = [], [], 0
+    each (once a warm-up is over: its first steps send more), and with
+    "allgather_int8" at most the 2**24 entries its packed index reaches (a
+    variable of more is a bucket of its own, sent as 8-byte pairs: `_route`)."""
+    most_entries = MAX_BUCKET_ENTRIES if config.exchange_mode == "allgather_int8" else None
+    buckets, current, current_bytes, current_entries = [], [], 0, 0
     for position in sparse_positions:
         pair_bytes = 8 * config.settled_pairs(specs[position].size)
-        if current and config.bucket_bytes is not None and \
-                current_bytes + pair_bytes > config.bucket_bytes:
+        if current and ((config.bucket_bytes is not None and current_bytes + pair_bytes > config.bucket_bytes) or
+                        (most_entries is not None and current_entries + specs[position].size > most_entries)):
             buckets.append(current)
-            current, current_bytes = [], 0
+            current, current_bytes, current_entries = [], 0, 0
         current.append(position)
         current_bytes += pair_bytes
+        current_entries += specs[position].size
     buckets += [current] if current else []
     for bucket in buckets:
         total = sum(specs[p].size for p in bucket)
@@ -544,6 +568,11 @@ def _part(part, base, name):
     if part is not None and not isinstance(part, base):
         raise TypeError(f"{name} must be a {base.__module__}.{base.__name__} (subclass it), got {part!r}")
     return part
+
+
+def sparsified_positions(variables, min_size):
+    """Positions of the variables an exchange with this `min_size` sparsifies (the rest take the dense path)."""
+    return [i for i, variable in enumerate(variables) if _spec(variable, min_size).sparse]
 
 
 def _spec(variable, min_size):

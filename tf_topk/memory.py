@@ -65,6 +65,18 @@ from tf_topk.config import check_beta_2, check_epsilon, check_momentum, check_wa
 PRECONDITIONER_FLOOR = 0.2
 
 
+# What a memory's state means, named: an optimizer keeps its memory's index here beside that state
+# (`method_code`), so that a checkpoint written under one method is not carried on by another (a
+# residual of gradients read as a momentum in a DCT's space, say). 0: a memory of the user's, unchecked.
+METHODS = ("a memory of its own", "error feedback", "error feedback rescaled by the learning rate",
+           "momentum correction", "Adam's momentum correction", "decoupled momentum", "no memory")
+
+
+def method_code(memory):
+    """The index of `memory.method` in METHODS (0 where it names none)."""
+    return METHODS.index(memory.method) if memory.method in METHODS else 0
+
+
 def residual_dtype(variable_dtype):
     """Residuals accumulate many small entries: at least float32."""
     dtype = tf.as_dtype(variable_dtype)
@@ -122,6 +134,8 @@ class Memory(abc.ABC):
 
     keeps_unsent = False
     residuals = None
+    # The method's name in METHODS (None: a memory of the user's).
+    method = None
     # Whether some steps send every entry (k = n): `sends_every_entry()` says which.
     may_send_every_entry = False
     # Whether the summed sparse gradients the exchange returns are update
@@ -220,6 +234,7 @@ class ErrorFeedbackMemory(Memory):
         `build` makes them with the exchange's state factory.
     """
 
+    method = "error feedback"
     keeps_unsent = True
 
     def __init__(self, residuals=None):
@@ -262,6 +277,7 @@ class RateScaledErrorFeedbackMemory(ErrorFeedbackMemory):
     nothing is rescaled; nor is it at a rate of 0).
     """
 
+    method = "error feedback rescaled by the learning rate"
     follows_learning_rate = True
 
     def __init__(self, residuals=None):
@@ -317,6 +333,8 @@ class MomentumCorrectionMemory(ErrorFeedbackMemory):
       nesterov: DGC's Nesterov variant.
       masking: momentum factor masking (zero `u` where sent; default False).
     """
+
+    method = "momentum correction"
 
     def __init__(self, momentum, nesterov=False, masking=False):
         super().__init__()
@@ -430,6 +448,7 @@ class AdamMomentumCorrectionMemory(ErrorFeedbackMemory):
       warmup_steps: dense Adam steps before the second moment freezes (>= 1).
     """
 
+    method = "Adam's momentum correction"
     applies_update = True
     may_send_every_entry = True
 
@@ -551,6 +570,8 @@ class _Shaped:
 
 class NoMemory(Memory):
     """Nothing kept: unsent entries are dropped. Only for comparisons."""
+
+    method = "no memory"
 
     def build(self, variables, make_state):
         pass

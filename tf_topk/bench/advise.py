@@ -8,6 +8,7 @@ an optimizer makes from the same measured model. Two sources for the numbers:
 
   a cluster one describes (no TensorFlow needed):
     python -m tf_topk.bench advise --params 12609546 --workers 8 --link 100mbit
+    python -m tf_topk.bench advise --params 470784 --workers 2 --link 100mbit --optimizer adamw
   the cluster this runs on, measured (`tf_topk.calibrate`): under TF_CONFIG
   (e.g. `python -m tf_topk.launch --workers 4 -m ...`), MultiWorkerMirroredStrategy;
   otherwise MirroredStrategy over --workers logical CPUs of this process:
@@ -64,6 +65,10 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=2.0, help="seconds the calibration may take (default 2)")
     parser.add_argument("--densities", type=_densities, default=list(ADVISE_DENSITIES),
                         help="comma-separated densities to predict (default 0.1,0.01,0.001,0.0001)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam", "adamw", "other"), default="sgd",
+                        help="the inner optimizer: adam or adamw take decoupled momentum at a fixed density where "
+                             "the plan sparsifies, the others top-k with error feedback at an adaptive density "
+                             "(default sgd)")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     args = parser.parse_args(argv)
     if args.params < 1:
@@ -81,7 +86,7 @@ def main(argv=None):
             parser.error(f"--link: {error}")
         model = CostModel(args.workers, link, link, DEFAULT_SELECTION_S_PER_ENTRY, DEFAULT_ROUNDING_S_PER_ENTRY)
         source = f"described: {args.workers} workers, {args.link}, {args.latency_ms:g} ms per collective"
-    advice = advise(model, args.params, args.densities)
+    advice = advise(model, args.params, args.densities, decoupled=args.optimizer in ("adam", "adamw"))
     if args.json:
         print(json.dumps({"source": source, "params": args.params, "replicas": model.replicas,
                           "model": {"all_reduce": vars(model.all_reduce), "all_gather": vars(model.all_gather),
@@ -89,6 +94,7 @@ def main(argv=None):
                                     "rounding_s_per_entry": model.rounding_s_per_entry},
                           "rows": advice["rows"], "choices": {f"{d:g}": r for d, r in advice["choices"].items()},
                           "dense_end": advice["dense_end"], "autopilot": advice["autopilot"],
+                          "method": advice["method"], "autopilot_density": advice["autopilot_density"],
                           "autopilot_range": advice["autopilot_range"]}))
     else:
         print(source)

@@ -172,21 +172,24 @@ def make_inner(keras, args, steps=None):
         if not steps:
             raise ValueError("--schedule cosine needs the run's steps")
         rate = keras.optimizers.schedules.CosineDecay(args.learning_rate, decay_steps=steps)
+    clipping = {"global_clipnorm": args.global_clipnorm} if getattr(args, "global_clipnorm", None) else {}
     if args.optimizer == "adam":
-        return keras.optimizers.Adam(rate)
+        return keras.optimizers.Adam(rate, **clipping)
     if args.optimizer == "adamw":
-        return keras.optimizers.AdamW(rate, weight_decay=args.weight_decay)
-    return keras.optimizers.SGD(rate, momentum=args.momentum, nesterov=args.nesterov)
+        return keras.optimizers.AdamW(rate, weight_decay=args.weight_decay, **clipping)
+    return keras.optimizers.SGD(rate, momentum=args.momentum, nesterov=args.nesterov, **clipping)
 
 
 def optimizer_name(args):
     rate = f"CosineDecay({args.learning_rate})" if getattr(args, "schedule", "constant") == "cosine" else \
         f"{args.learning_rate}"
+    clipping = f", global_clipnorm={args.global_clipnorm}" if getattr(args, "global_clipnorm", None) else ""
     if args.optimizer == "adam":
-        return f"Adam(learning_rate={rate})"
+        return f"Adam(learning_rate={rate}{clipping})"
     if args.optimizer == "adamw":
-        return f"AdamW(learning_rate={rate}, weight_decay={args.weight_decay})"
-    return f"SGD(learning_rate={rate}, momentum={args.momentum}" + (", nesterov=True)" if args.nesterov else ")")
+        return f"AdamW(learning_rate={rate}, weight_decay={args.weight_decay}{clipping})"
+    return f"SGD(learning_rate={rate}, momentum={args.momentum}" + (", nesterov=True" if args.nesterov else "") + \
+        f"{clipping})"
 
 
 def make_optimizer(keras, method, density, args, steps_per_epoch, sparse_entries=None):
@@ -760,6 +763,8 @@ def parse_args(argv=None):
     parser.add_argument("--schedule", choices=("constant", "cosine"), default="constant",
                         help="the learning rate: constant (default), or cosine decay to 0 over the run's steps")
     parser.add_argument("--weight-decay", type=float, default=None, help="AdamW's weight decay (default 0.01)")
+    parser.add_argument("--global-clipnorm", type=float, default=None,
+                        help="the inner optimizer's global_clipnorm (the transformer recipe's 1.0; default none)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     parser.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
     parser.add_argument("--warmup-epochs", type=int, default=0,
@@ -880,6 +885,8 @@ def parse_args(argv=None):
     if args.weight_decay is not None and args.optimizer != "adamw":
         parser.error(f"--weight-decay is AdamW's, got --optimizer {args.optimizer}")
     args.weight_decay = 0.01 if args.weight_decay is None else args.weight_decay
+    if args.global_clipnorm is not None and not args.global_clipnorm > 0:
+        parser.error(f"--global-clipnorm must be > 0, got {args.global_clipnorm}")
     if "demo" in args.methods and args.optimizer == "sgd":
         parser.error("demo (decoupled momentum) is for --optimizer adam or adamw, got --optimizer sgd")
     if "topk_mc" in args.methods and args.optimizer == "sgd" and args.momentum <= 0:

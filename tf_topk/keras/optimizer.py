@@ -51,7 +51,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_topk.adapter import (FROM_CONFIG, InnerOverrides, TopKWrapper, check_inner_only_arguments,
-                             check_inner_optimizer, exchange_parts, wrapper_exchange_config)
+                             check_inner_optimizer, check_saved_method, exchange_parts, wrapper_exchange_config)
 from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd
 from tf_topk.keras.loss_scale_fix import apply_loss_scale_fix
 from tf_topk.keras.mwms_fix import apply_mwms_fix
@@ -85,6 +85,19 @@ def _numbered_name(prefix):
     """`prefix`, then `prefix_1`, `prefix_2`, ... as Keras numbers its own optimizers."""
     uid = keras.backend.get_uid(prefix)
     return prefix if uid == 1 else f"{prefix}_{uid - 1}"
+
+
+def _check_not_multi_optimizer(optimizer):
+    """A MultiOptimizer's `apply` hands each variable to its own sub-optimizer's `apply`, which would
+    all-reduce it densely past the exchange (the run would train with every entry sent, silently):
+    the wrapper goes inside it, around each sub-optimizer whose variables are to be sparsified."""
+    multi = getattr(keras.optimizers, "MultiOptimizer", None)
+    if multi is not None and isinstance(optimizer, multi):
+        raise ValueError(
+            "TopKOptimizer does not take a keras.optimizers.MultiOptimizer as inner_optimizer (its sub-optimizers "
+            "would all-reduce every gradient densely, past the exchange): put TopKOptimizer inside it, around "
+            "each sub-optimizer, e.g. MultiOptimizer(lambda variable: tf_topk.TopKOptimizer(adamw) if "
+            "'encoder' in variable.path else sgd), with one TopKOptimizer object per sub-optimizer")
 
 
 def _check_all_reduce_hook(optimizer):
@@ -200,17 +213,23 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         entries, sends its top-k coefficients and keeps the rest, and every
         sparsified entry moves by the learning rate times the sign of the
         decoded sum (plus AdamW's decoupled weight decay); the dense-path
-        variables keep the inner Adam. "auto" takes it for an inner Adam or
-        AdamW at a fixed density of 0.01 or less
+        variables keep the inner Adam. The inner optimizer's options act
+        as they do on its own update (the exchange runs inside its `apply`):
+        loss scaling, clipnorm, clipvalue, global_clipnorm and gradient
+        accumulation on the gradient before it, constraints and the EMA on
+        the variables after it. "auto" takes it for an inner Adam or AdamW
+        without AMSGrad at a fixed density of 0.01 or less
         (`tf_topk.config.DECOUPLED_UP_TO_DENSITY`), where top-k in front of
         Adam loses most (measured:
-        benchmarks/RESULTS.md#decoupled-momentum-for-adamw-demo), unless an
-        inner option it cannot honour is set (clipnorm, clipvalue,
-        global_clipnorm, use_ema, gradient_accumulation_steps,
-        loss_scale_factor, amsgrad: those keep top-k in front of the inner
-        Adam), momentum_correction=True, error_feedback=False or exchange
-        parts are given; otherwise False. True with one of those: a
-        ValueError naming it. The chief prints one line saying it runs.
+        benchmarks/RESULTS.md#decoupled-momentum-for-adamw-demo), and with no
+        density given wherever the autopilot's plan sparsifies, at the fixed
+        density the plan chooses for the link (0.01, or 0.001 where 0.01's
+        exchange is not 10x faster than dense's); not with
+        momentum_correction=True, error_feedback=False, sparse_updates,
+        rescale_residuals, exchange parts given, or "dense_bf16" (the inner
+        optimizer's own 16-bit baseline). The chief prints one line saying
+        what runs, and why an inner Adam does not get it. True with one of
+        those: a ValueError naming it.
       local_clipnorm: None, or clip each replica's gradient to this global
         norm / sqrt(replicas) before it enters the accumulation (DGC's local
         clipping); think of it as the clip norm of the summed gradient.
@@ -258,6 +277,13 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
           >>> opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.001)  # warms up
           >>> opt = tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.001,
           ...                             density_warmup_steps=0)              # 0.001 from step 0
+      link: the cluster's link rate ("100mbit", "1gbit", "10gbit"), stated
+        instead of measured: with no density given, the autopilot plans for
+        it (so every run plans alike, and nothing is timed when the optimizer
+        is built). None: the TF_TOPK_LINK environment variable's, else
+        measured. Only with no density given (else a ValueError):
+
+          >>> opt = tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3), link="100mbit")
       config: a `tf_topk.ExchangeConfig` holding these options in one object
         (sparse_updates is its sparse_output), to share one set between
         optimizers and exchanges. The arguments above that are given replace
@@ -296,18 +322,19 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
                  bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
                  local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
                  variance_warmup_steps=FROM_CONFIG, selection_scope=FROM_CONFIG,
-                 density_warmup_steps=FROM_CONFIG, decoupled_momentum=FROM_CONFIG,
+                 density_warmup_steps=FROM_CONFIG, decoupled_momentum=FROM_CONFIG, link=FROM_CONFIG,
                  config=None, selector=None, memory=None, router=None, **kwargs):
         check_inner_optimizer(inner_optimizer, keras.optimizers.Optimizer, TopKOptimizer,
                               keras.mixed_precision.LossScaleOptimizer, "keras")
-        exchange_config = wrapper_exchange_config(
+        _check_not_multi_optimizer(inner_optimizer)
+        exchange_config, method_note = wrapper_exchange_config(
             inner_optimizer, keras.optimizers.SGD, (keras.optimizers.Adam, keras.optimizers.AdamW), "keras", config, density=density, method=method,
             min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
             momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
             variance_warmup_steps=variance_warmup_steps, selection_scope=selection_scope,
-            density_warmup_steps=density_warmup_steps, decoupled_momentum=decoupled_momentum,
+            density_warmup_steps=density_warmup_steps, decoupled_momentum=decoupled_momentum, link=link,
             parts_given=any(part is not None for part in (selector, memory, router)),
-            sparse_updates=sparse_updates)
+            sparse_updates=sparse_updates, exchange_inside_inner_apply=True)
         parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "keras")
         super().__init__(learning_rate=0.0, name=name or _numbered_name("topk_optimizer"))
@@ -321,7 +348,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         # step, and its weight decay runs there (`_exchanged_update_step`).
         self._set_exchange_config(exchange_config, parts, {
             "_backend_update_step": self._exchanged_update_step, "_apply_weight_decay": _no_weight_decay,
-            "_all_reduce_sum_gradients": _no_all_reduce})
+            "_all_reduce_sum_gradients": _no_all_reduce}, method_note)
 
     clipnorm, clipvalue, global_clipnorm = (_delegated_to_inner(name) for name in _DELEGATED_CLIPPING)
     use_ema = _inner_use_ema()
@@ -334,19 +361,59 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
     # -- state ----------------------------------------------------------------
 
     def build(self, var_list):
-        if not self.inner_optimizer.built:
-            with InnerOverrides(self.inner_optimizer, self._inner_overrides):
-                self.inner_optimizer.build(var_list)
+        """This optimizer's state and the exchange, then the inner optimizer's (where it is not built
+        yet), without the slots of the variables whose update the exchange applies itself (decoupled
+        momentum and Adam's momentum correction keep their own: an inner AdamW's two moments of those
+        variables would be two buffers of their size that nothing reads)."""
         object.__setattr__(self, "_building_own_state", True)
         try:
             super().build(var_list)
         finally:
             object.__setattr__(self, "_building_own_state", False)
         self._build_exchange(var_list)
+        if not self.inner_optimizer.built:
+            with InnerOverrides(self.inner_optimizer, self._inner_build_overrides(var_list)):
+                self.inner_optimizer.build(var_list)
 
-    def _make_variable(self, name, shape, dtype, kind):
+    def _inner_build_overrides(self, var_list):
+        """The overrides the inner optimizer builds under: the step's, and without the slots of the
+        variables it never updates (`_positions_the_inner_never_updates`)."""
+        overrides = dict(self._inner_overrides)
+        unused = {id(var_list[position]) for position in self._positions_the_inner_never_updates(var_list)}
+        if unused:
+            overrides["add_optimizer_variables"] = self._slots_left_out_for(unused)
+        return overrides
+
+    def _slots_left_out_for(self, unused):
+        """The inner optimizer's `add_optimizer_variables`, with None (as Keras puts for a variable it
+        overwrites with its gradient) in place of the slots of `unused` variables (ids), except Keras's
+        own EMA averages; each call recorded for `_with_every_slot`."""
+        inner = self.inner_optimizer
+        add_optimizer_variables = type(inner).add_optimizer_variables.__get__(inner)
+        calls = []
+        object.__setattr__(self, "_left_out_slots", calls)
+
+        def add(trainable_variables, name, initializer="zeros"):
+            names = [name] if isinstance(name, str) else list(name)
+            if names == ["average"]:
+                return add_optimizer_variables(trainable_variables, name, initializer)
+            left_out = [id(variable) in unused for variable in trainable_variables]
+            calls.append((len(inner.variables), len(names), left_out))
+            made = add_optimizer_variables([v for v, out in zip(trainable_variables, left_out) if not out], name,
+                                           initializer)
+            made = [made] if isinstance(name, str) else list(made)
+            slots = []
+            for kind in made:
+                kept = iter(kind)
+                slots.append([None if out else next(kept) for out in left_out])
+            return slots[0] if isinstance(name, str) else tuple(slots)
+
+        return add
+
+    def _make_variable(self, name, shape, dtype, kind, initial=0):
         if kind == "counter":
-            return self.add_variable(shape=shape, dtype=dtype, name=name, aggregation="only_first_replica")
+            return self.add_variable(shape=shape, dtype=dtype, name=name, aggregation="only_first_replica",
+                                     initializer=keras.initializers.Constant(initial))
         variable = keras.Variable(initializer="zeros", shape=shape, dtype=dtype, trainable=False,
                                   aggregation="sum" if kind == "state" else "only_first_replica",
                                   synchronization="on_read", name=name)
@@ -390,10 +457,14 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         the file as it loads it alone (silent for an optimizer without
         slots, Keras's warning otherwise)."""
         saved = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
-        variables = self.variables
-        for skipped in (0, _EARLIER_LAYOUT_EXTRA):
-            if self._fits(saved[skipped:], variables):
-                for variable, value in zip(variables, saved[skipped:]):
+        for layout in self._saved_layouts():
+            if self._fits(saved, layout):
+                if any(variable is self.exchange_method for variable in layout):
+                    check_saved_method(saved[next(i for i, v in enumerate(layout) if v is self.exchange_method)],
+                                       self._method_code)
+                for variable, value in zip(layout, saved):
+                    if variable is None:
+                        continue
                     if keeps_replica_values(self._tf_variable(variable)):
                         restore_value(self._tf_variable(variable), value)
                     else:
@@ -404,12 +475,38 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
             return None
         return super().load_own_variables(store)  # Keras's warning
 
-    def _fits(self, values, variables):
-        """Whether saved `values` are one per variable, each of its shape (a per-replica state holds
-        every replica's value: `tf_topk.replica_state`)."""
-        return len(values) == len(variables) and all(
-            tuple(np.shape(value)) == tuple(variable.shape) or keeps_replica_values(self._tf_variable(variable))
-            for value, variable in zip(values, variables))
+    def _saved_layouts(self):
+        """The layouts a saved file may have, each a list with the variable each saved array goes to (None:
+        an array to pass over): `variables`; with the inner optimizer's slots of every variable (another
+        method's file, or one written before the unused slots were left out); without `exchange_method`
+        (written before it), with or without those slots; each of them after the wrapper's own
+        iterations and learning rate (earlier versions' files)."""
+        variables = self.variables
+        own = len(variables) - len(self.inner_optimizer.variables)
+        without_method = [v for v in variables[:own] if v is not getattr(self, "exchange_method", None)]
+        layouts = [variables, self._with_every_slot(variables[:own]),
+                   without_method + variables[own:], self._with_every_slot(without_method)]
+        return layouts + [[None] * _EARLIER_LAYOUT_EXTRA + layout for layout in layouts]
+
+    def _with_every_slot(self, own):
+        """`own` then the inner optimizer's variables as they were when it kept a slot for every variable
+        (None where a slot left out would have been: `_left_out_slots`)."""
+        inner = list(self.inner_optimizer.variables)
+        layout, at = list(own), 0
+        for start, names, left_out in self.__dict__.get("_left_out_slots", ()):
+            layout += inner[at:start]
+            at = start
+            for out in left_out:
+                layout += [None] * names if out else inner[at:at + names]
+                at += 0 if out else names
+        return layout + inner[at:]
+
+    def _fits(self, values, layout):
+        """Whether saved `values` are one per entry of `layout`, each of its variable's shape (a
+        per-replica state holds every replica's value: `tf_topk.replica_state`)."""
+        return len(values) == len(layout) and all(
+            variable is None or tuple(np.shape(value)) == tuple(variable.shape)
+            or keeps_replica_values(self._tf_variable(variable)) for value, variable in zip(values, layout))
 
     def set_weights(self, weights):
         """As Keras, over `variables`: this optimizer's and then the inner
@@ -468,7 +565,7 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
                 # that a build reading the variables' values (ScheduleFreeAdamW copies them) reads
                 # the ones a model built in the same trace holds.
                 with keras.name_scope(self.name, caller=self), \
-                        InnerOverrides(self.inner_optimizer, self._inner_overrides):
+                        InnerOverrides(self.inner_optimizer, self._inner_build_overrides(trainable_variables)):
                     self.inner_optimizer.build(trainable_variables)
             # The wrapper's own state eagerly, as tf_keras builds: variables made while a
             # tf.function traces are initialised in its first-call cond, which under

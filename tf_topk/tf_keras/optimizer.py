@@ -45,13 +45,15 @@ _INNER_ONLY_DEFAULTS = {
 }
 
 
-def _without_momentum_slots(add_variable_from_reference):
-    """tf_keras's SGD makes a momentum slot `m` per variable whatever its
-    momentum, and updates without momentum where the slot is None: with
-    momentum correction the velocity is the exchange's, so no slot is made."""
+def _without_slots(add_variable_from_reference, names, variables, key=None):
+    """tf_keras's `add_variable_from_reference`, returning None for the slots `names` of `variables`
+    (keys by `key`; None: of every variable). tf_keras's SGD makes a momentum slot `m` per variable
+    whatever its momentum, and updates without momentum where the slot is None: with momentum
+    correction the velocity is the exchange's, so no slot is made; Adam's moments of a variable whose
+    update the exchange applies itself are never read."""
 
     def add_variable(model_variable, variable_name, shape=None, initial_value=None):
-        if variable_name == "m":
+        if variable_name in names and (variables is None or key(model_variable) in variables):
             return None
         return add_variable_from_reference(model_variable, variable_name, shape=shape, initial_value=initial_value)
 
@@ -70,7 +72,12 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
     `Adam` or `AdamW`; off unless asked for), variance_warmup_steps, local_clipnorm, name,
     exchange_mode, selection_scope, density_warmup_steps, decoupled_momentum
     (DeMo for an inner `Adam` or `AdamW`; "auto" takes it at a fixed density
-    of 0.01 or less), and `config` (a `tf_topk.ExchangeConfig`, whose fields the
+    of 0.01 or less, and with no density where the autopilot's plan
+    sparsifies; tf_keras's clipnorm, clipvalue, global_clipnorm and use_ema act
+    in the inner optimizer's own update, which it replaces: with one of those
+    "auto" keeps top-k in front of the inner optimizer and says so, and True
+    is a ValueError), link (the link rate the autopilot plans for, stated
+    instead of measured), and `config` (a `tf_topk.ExchangeConfig`, whose fields the
     arguments given replace), selector, memory and router (parts for the
     exchange; `get_config` of an optimizer given any raises
     NotImplementedError).
@@ -103,7 +110,7 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
                  bucket_bytes=FROM_CONFIG, error_feedback=FROM_CONFIG, momentum_correction=FROM_CONFIG,
                  local_clipnorm=FROM_CONFIG, name=None, exchange_mode=FROM_CONFIG, sparse_updates=FROM_CONFIG, *,
                  variance_warmup_steps=FROM_CONFIG, selection_scope=FROM_CONFIG,
-                 density_warmup_steps=FROM_CONFIG, decoupled_momentum=FROM_CONFIG,
+                 density_warmup_steps=FROM_CONFIG, decoupled_momentum=FROM_CONFIG, link=FROM_CONFIG,
                  config=None, selector=None, memory=None, router=None, **kwargs):
         if isinstance(inner_optimizer, tf_keras.optimizers.legacy.Optimizer):
             raise ValueError(
@@ -112,13 +119,13 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
                 "tf_keras.optimizers.SGD(0.1) for tf_keras.optimizers.legacy.SGD(0.1)")
         check_inner_optimizer(inner_optimizer, tf_keras.optimizers.Optimizer, TopKOptimizer,
                               tf_keras.mixed_precision.LossScaleOptimizer, "tf_keras")
-        exchange_config = wrapper_exchange_config(
+        exchange_config, method_note = wrapper_exchange_config(
             inner_optimizer, tf_keras.optimizers.SGD, (tf_keras.optimizers.Adam, tf_keras.optimizers.AdamW),
             "tf_keras", config, density=density, method=method,
             min_size=min_size, bucket_bytes=bucket_bytes, error_feedback=error_feedback,
             momentum_correction=momentum_correction, local_clipnorm=local_clipnorm, exchange_mode=exchange_mode,
             variance_warmup_steps=variance_warmup_steps, selection_scope=selection_scope,
-            density_warmup_steps=density_warmup_steps, decoupled_momentum=decoupled_momentum,
+            density_warmup_steps=density_warmup_steps, decoupled_momentum=decoupled_momentum, link=link,
             parts_given=any(part is not None for part in (selector, memory, router)),
             sparse_updates=sparse_updates, sparse_updates_available=False)
         parts = exchange_parts(exchange_config, selector=selector, memory=memory, router=router)
@@ -126,7 +133,7 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
         check_inner_only_arguments(kwargs, _INNER_ONLY_DEFAULTS, "tf_keras")
         super().__init__(name=name or "TopKOptimizer", weight_decay=None, jit_compile=False)
         self.inner_optimizer = inner_optimizer
-        self._set_exchange_config(exchange_config, parts, {})
+        self._set_exchange_config(exchange_config, parts, {}, method_note)
 
     # -- state ----------------------------------------------------------------
 
@@ -134,21 +141,25 @@ class TopKOptimizer(TopKWrapper, tf_keras.optimizers.Optimizer):
         if getattr(self, "_built", False):
             return
         var_list = list(var_list)
-        overrides = dict(self._inner_overrides)
-        if self.momentum_correction and self.exchange_config.beta_2 is None:
-            overrides["add_variable_from_reference"] = _without_momentum_slots(
-                self.inner_optimizer.add_variable_from_reference)
-        with InnerOverrides(self.inner_optimizer, overrides):
-            self.inner_optimizer.build(var_list)
         super().build(var_list)  # the variable -> position index
         self._build_exchange(var_list)
+        overrides = dict(self._inner_overrides)
+        if self.momentum_correction and self.exchange_config.beta_2 is None:
+            overrides["add_variable_from_reference"] = _without_slots(
+                self.inner_optimizer.add_variable_from_reference, ("m",), None)
+        unused = {self._var_key(var_list[p]) for p in self._positions_the_inner_never_updates(var_list)}
+        if unused:  # the exchange applies their update itself (decoupled momentum, Adam's momentum correction)
+            overrides["add_variable_from_reference"] = _without_slots(
+                self.inner_optimizer.add_variable_from_reference, ("m", "v", "vhat"), unused, self._var_key)
+        with InnerOverrides(self.inner_optimizer, overrides):
+            self.inner_optimizer.build(var_list)
         self._built = True
 
-    def _make_variable(self, name, shape, dtype, kind):
+    def _make_variable(self, name, shape, dtype, kind, initial=0):
         synchronization = tf.VariableSynchronization.AUTO if kind == "counter" else tf.VariableSynchronization.ON_READ
         aggregation = tf.VariableAggregation.SUM if kind == "state" else tf.VariableAggregation.ONLY_FIRST_REPLICA
         with tf.init_scope():
-            variable = tf.Variable(tf.zeros(shape, dtype), trainable=False, name=name,
+            variable = tf.Variable(tf.fill(shape, tf.constant(initial, dtype)), trainable=False, name=name,
                                    synchronization=synchronization, aggregation=aggregation)
         self._variables.append(variable)
         return variable
