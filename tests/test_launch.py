@@ -1,6 +1,7 @@
 """Tests of tf_topk.launch with real processes (tests/workers/behave.py, no TensorFlow)."""
 
 import io
+import json
 import os
 import re
 import signal
@@ -102,7 +103,7 @@ def test_library_argument_errors():
         (["--workers", "2", "no/such/script.py"], "script not found: no/such/script.py"),
         (["--workers", "2", "--port-base", "x", BEHAVE], "'auto' or an integer"),
         (["--workers", "2", "--timeout", "-1", BEHAVE], "--timeout must be positive"),
-        (["--workers", "2"], "required: script"),
+        (["--workers", "2"], "give the script each worker runs, or -m MODULE"),
     ],
 )
 def test_cli_argument_errors(argv, message, capsys):
@@ -110,6 +111,23 @@ def test_cli_argument_errors(argv, message, capsys):
         launch.main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_module_runs_on_every_worker_as_advise_prints_it():
+    """`advise --help` tells how to measure a cluster of local workers: that line runs as printed."""
+    from tf_topk.bench import advise
+
+    hint = next(line for line in advise.__doc__.splitlines() if "tf_topk.launch" in line)
+    command = hint.strip().strip("(`").split("`")[0].split()
+    assert command[:5] == ["python", "-m", "tf_topk.launch", "--workers", "4"]
+    command = [sys.executable, *command[1:4], "2", *command[5:], "--json", "--budget", "1"]
+    env = {**os.environ, **worker_env()}
+    env.pop("TF_CONFIG", None)
+    run = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    chief = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("[worker 0] {"))
+                       .removeprefix("[worker 0] "))
+    assert chief["replicas"] == 2 and chief["rows"] and chief["source"]
 
 
 def _cli(*args):

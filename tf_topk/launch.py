@@ -538,7 +538,8 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         prog="python -m tf_topk.launch",
         description="Run SCRIPT as N local MultiWorkerMirroredStrategy workers, "
         "each with TF_CONFIG on free localhost ports.",
-        epilog="Example: python -m tf_topk.launch --workers 2 train.py --epochs 3",
+        epilog="Examples: python -m tf_topk.launch --workers 2 train.py --epochs 3; "
+        "python -m tf_topk.launch --workers 2 -m tf_topk.bench advise --params 12609546 --calibrate",
     )
     parser.add_argument("--workers", "-n", type=int, required=True, help="number of workers (>= 1)")
     parser.add_argument(
@@ -569,7 +570,10 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--chief-only", action="store_true",
                         help="show worker 0's lines only (every worker still runs; when another worker "
                         "fails, its last lines are printed)")
-    parser.add_argument("script", help="the Python script each worker runs")
+    parser.add_argument("-m", dest="module", metavar="MODULE",
+                        help="run a module as each worker's script, as python -m MODULE does "
+                        "(e.g. -m tf_topk.bench advise --params 12609546 --calibrate)")
+    parser.add_argument("script", nargs="?", help="the Python script each worker runs (none with -m)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     args = parser.parse_args(argv)
 
@@ -579,8 +583,14 @@ def _parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         parser.error(f"--timeout must be positive, got {args.timeout}")
     if args.restarts < 0:
         parser.error(f"--restarts must be at least 0, got {args.restarts}")
-    if not os.path.isfile(args.script):
+    if args.module is not None:
+        args.command = ["-m", args.module, *([args.script] if args.script is not None else []), *args.args]
+    elif args.script is None:
+        parser.error("give the script each worker runs, or -m MODULE")
+    elif not os.path.isfile(args.script):
         parser.error(f"script not found: {args.script}")
+    else:
+        args.command = [args.script, *args.args]
     if args.port_base == "auto":
         args.ports = None
     else:
@@ -607,7 +617,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         result = run_workers(
             args.workers,
-            [sys.executable, args.script, *args.args],
+            [sys.executable, *args.command],
             timeout=args.timeout,
             line_prefix=not args.no_prefix,
             ports=args.ports,

@@ -10,7 +10,8 @@ an optimizer makes from the same measured model. Two sources for the numbers:
     python -m tf_topk.bench advise --params 12609546 --workers 8 --link 100mbit
     python -m tf_topk.bench advise --params 470784 --workers 2 --link 100mbit --optimizer adamw
   the cluster this runs on, measured (`tf_topk.calibrate`): under TF_CONFIG
-  (e.g. `python -m tf_topk.launch --workers 4 -m ...`), MultiWorkerMirroredStrategy;
+  (`python -m tf_topk.launch --workers 4 -m tf_topk.bench advise --params 12609546 --calibrate`),
+  MultiWorkerMirroredStrategy;
   otherwise MirroredStrategy over --workers logical CPUs of this process:
     python -m tf_topk.bench advise --params 12609546 --workers 2 --calibrate
 
