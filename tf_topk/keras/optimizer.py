@@ -457,11 +457,11 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         the file as it loads it alone (silent for an optimizer without
         slots, Keras's warning otherwise)."""
         saved = [np.asarray(store[str(i)]) for i in range(len(store.keys()))]
+        method = getattr(self, "exchange_method", None)  # None before the first build
         for layout in self._saved_layouts():
             if self._fits(saved, layout):
-                if any(variable is self.exchange_method for variable in layout):
-                    check_saved_method(saved[next(i for i, v in enumerate(layout) if v is self.exchange_method)],
-                                       self._method_code)
+                if method is not None and any(variable is method for variable in layout):
+                    check_saved_method(saved[next(i for i, v in enumerate(layout) if v is method)], self._method_code)
                 for variable, value in zip(layout, saved):
                     if variable is None:
                         continue
