@@ -73,6 +73,9 @@ def test_the_plan_takes_the_first_measured_density_whose_exchange_is_ten_times_c
     # Where every entry is faster, no fixed density: the inner optimizer's own update.
     fast = plan_for(2, "100gbit", 70_000)
     assert fast.dense_route() and fast.fixed_density() is None and fast.method().startswith("every entry")
+    stated = dataclasses.replace(fast, link="100gbit").decision()
+    assert stated.startswith("tf_topk autopilot (the stated link 100gbit, 2 replicas): every entry, dense")
+    assert "density=0.01 (any fixed density) sparsifies anyway with decoupled momentum" in stated
     assert plan_for(2, "100mbit", TEXT_MODEL, decoupled=False).fixed_density() is None  # not Adam
 
 

@@ -250,8 +250,9 @@ class Plan:
                  f"(sparse {dense_s / sparse_s:.2f}x as fast{asked})" if sparse_s > 0 else
                  f"a step {how} {dense_s * 1e3:,.1f} ms sending every entry")
         if dense:
+            method = " with decoupled momentum" if self.decoupled else ""
             return (f"tf_topk autopilot{link}: every entry, {dense}: {times}; density=0.01 (any fixed density) "
-                    f"sparsifies anyway, TF_TOPK_VERBOSE=1 prints the calibration")
+                    f"sparsifies anyway{method}, TF_TOPK_VERBOSE=1 prints the calibration")
         if self.decoupled:
             return (f"tf_topk autopilot{link}: {self.method()}, fixed (of "
                     f"{', '.join(f'{d:g}' for d in DECOUPLED_DENSITIES)}, the first whose exchange is predicted "
