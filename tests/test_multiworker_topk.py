@@ -34,6 +34,7 @@ TWO_WORKER_RUNS = {
     "dense_momentum": f"--dense {SGD_MOMENTUM}",
     "mc": f"--density 0.001 --momentum-correction --warmup-epochs 2 {SGD_MOMENTUM}",
     "int8": "--density 0.02 --density-warmup-steps 100 --exchange-mode allgather_int8",
+    "inside_warmup": "--density 0.01 --epochs 1",  # 45 steps of a 400-step warm-up: said by the chief only
     # Last: the mixed_float16 policy is global (each run sets its own).
     "mixed": "--density 0.01 --density-warmup-steps 20 --mixed-precision --epochs 3",
 }
@@ -217,3 +218,10 @@ def test_momentum_correction_two_workers_keep_identical_weights_and_dense_accura
     assert_identical(weights)
     assert corrected[0]["test_accuracy"] >= dense[0]["test_accuracy"] - 0.02, (corrected[0], dense[0])
     assert corrected[0]["bytes_per_step"] < dense[0]["bytes_per_step"] / 10
+
+
+def test_a_fit_that_ends_inside_its_warm_up_is_told_by_the_chief_alone(two_workers):
+    """The callback runs outside the strategy's scope: the chief is its model's strategy's chief."""
+    said = [sum("this fit ends at step 45, inside the 400-step warm-up" in line for line in output.splitlines())
+            for output in two_workers["outputs"]]
+    assert said == [1, 0]

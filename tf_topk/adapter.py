@@ -744,7 +744,7 @@ class CompressionStatsLogic:
         reached = [d for step, d in config.schedule.steps if step <= last][-1]  # the warm-up's stage then
         tell(f"tf_topk: this fit ends at step {last + 1}, inside the {warmup}-step warm-up of density {final:g}: "
              f"its last steps send density {reached:.2g}, not {final:g}; density_warmup_steps=0 (or a shorter "
-             "warm-up) trains at the density given")
+             "warm-up) trains at the density given", getattr(self.model, "distribute_strategy", None))
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1

@@ -11,13 +11,15 @@ import sys
 import tensorflow as tf
 
 
-def is_chief():
-    """Whether this process speaks for the job: the chief of the current
-    strategy (the process itself with no strategy or one worker)."""
-    return bool(tf.distribute.get_strategy().extended.should_checkpoint)
+def is_chief(strategy=None):
+    """Whether this process speaks for the job: the chief of `strategy` (default: the current one; the
+    process itself with no strategy or one worker)."""
+    return bool((strategy or tf.distribute.get_strategy()).extended.should_checkpoint)
 
 
-def tell(line):
-    """Print `line` to stderr on the chief; other workers print nothing."""
-    if is_chief():
+def tell(line, strategy=None):
+    """Print `line` to stderr on the chief of `strategy` (default: the current one, as where an optimizer
+    is built; a Keras callback, which runs outside the strategy's scope, passes its model's); other
+    workers print nothing."""
+    if is_chief(strategy):
         print(line, file=sys.stderr, flush=True)
