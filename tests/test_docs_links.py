@@ -8,7 +8,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAGES = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "examples" / "README.md",
-         REPO_ROOT / "bazel" / "README.md", REPO_ROOT / "benchmarks" / "RESULTS.md",
+         REPO_ROOT / "bazel" / "README.md", REPO_ROOT / "benchmarks" / "RESULTS.md", REPO_ROOT / "benchmarks" / "README.md",
          *sorted((REPO_ROOT / "benchmarks" / "history").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -68,3 +68,14 @@ def test_the_library_links_results_rather_than_quoting_its_figures(module):
     assert [m.group(0) for m in QUOTED_FIGURE.finditer(text)] == []
     for fragment in re.findall(r"benchmarks/RESULTS\.md#([\w\-]+)", text):
         assert fragment in anchors(RESULTS), f"{module.name}: no heading #{fragment} in RESULTS.md"
+
+
+@pytest.mark.parametrize("tool", sorted((REPO_ROOT / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+def test_each_maintained_benchmark_script_is_run_by_a_test_or_by_make(tool):
+    """The scripts at benchmarks/'s top are the maintained ones (one-off trials live in history/trials/):
+    each is run by a test or by the Makefile, and benchmarks/README.md says what it answers."""
+    users = [path for path in [*(REPO_ROOT / "tests").glob("*.py"), REPO_ROOT / "Makefile"]
+             if tool.stem in path.read_text()]
+    assert users, f"benchmarks/{tool.name} is run by no test and no make target"
+    assert f"benchmarks/{tool.name}" in (REPO_ROOT / "benchmarks" / "README.md").read_text(), \
+        f"benchmarks/README.md does not say what {tool.name} answers"

@@ -24,9 +24,11 @@ import threading
 import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
-from tf_topk.config import DECOUPLED_UP_TO_DENSITY, ExchangeConfig
+from tf_topk.config import ExchangeConfig
 from tf_topk.exchange import STAT_NAMES, SparseExchange, sparsified_positions
 from tf_topk.memory import METHODS, method_code, state_name
+from tf_topk.methods import default_method
+from tf_topk.updates import apply_directions, constrain
 from tf_topk.notices import tell
 
 # ExchangeConfig's fields, which get_config writes flat beside the wrapper's own
@@ -245,45 +247,6 @@ def check_decoupled_momentum(inner_optimizer, adam_classes, keras_name, exchange
             "tf_topk.TopKOptimizer, which keeps every option with it")
 
 
-def _decoupled_momentum_chosen(inner_optimizer, adam_classes, config, parts_given, exchange_inside_inner_apply):
-    """decoupled_momentum="auto", resolved: (True, False or "auto", the
-    reason where an inner Adam or AdamW does not get it, else None).
-
-    True for an inner Adam or AdamW without AMSGrad at a fixed density of
-    DECOUPLED_UP_TO_DENSITY or less (in 8-byte pairs' bytes: twice it with
-    exchange_mode="allgather_int8"), with any inner option where the exchange
-    runs inside its `apply` (Keras 3; tf_keras: none of the options it would
-    skip). "auto" with no density given (the autopilot): the plan decides,
-    decoupled momentum where it sparsifies (`SparseExchange`'s
-    `plan_decoupled_momentum`). False with momentum correction, sparse
-    updates, no error feedback, rescaled residuals or exchange parts given
-    (the method asked for), and for the 16-bit dense baseline (every entry
-    sent: the inner optimizer's own update is the baseline)."""
-    if parts_given or config.momentum is not None or config.sparse_output or not config.error_feedback \
-            or config.rescale_residuals or not is_adam(inner_optimizer, adam_classes):
-        return False, None
-    kind = type(inner_optimizer).__name__
-    keep = f"top-k with error feedback in front of {kind}"
-    if getattr(inner_optimizer, "amsgrad", False):
-        return False, f"tf_topk: {keep}, not decoupled momentum: amsgrad=True (decoupled momentum has no second moment)"
-    if config.exchange_mode == "dense_bf16":
-        return False, None  # every entry in bfloat16 through the inner optimizer: the 16-bit baseline
-    if not exchange_inside_inner_apply and _update_options_in_use(inner_optimizer):
-        name, value = _update_options_in_use(inner_optimizer)[0]
-        return False, (f"tf_topk: {keep}, not decoupled momentum: tf_keras's {kind} with {name}={value!r}, which "
-                       "decoupled momentum would skip (Keras 3's tf_topk.TopKOptimizer keeps it)")
-    if config.density is None:
-        return ("auto" if config.schedule.autopilot else False), None
-    density = config.schedule.settled_density()
-    if density is None or config.schedule.adaptive is not None:
-        return False, (f"tf_topk: {keep}, not decoupled momentum: it takes a fixed density, got "
-                       f"density={config.density!r}")
-    if config.density_in_pair_bytes(density) > DECOUPLED_UP_TO_DENSITY:
-        return False, (f"tf_topk: {keep} at density {density:g}; decoupled momentum is taken at "
-                       f"{DECOUPLED_UP_TO_DENSITY:g} or less (decoupled_momentum=True takes it here)")
-    return True, None
-
-
 def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name, config=None,
                             momentum_correction=FROM_CONFIG, sparse_updates=FROM_CONFIG,
                             sparse_updates_available=True, parts_given=False, exchange_inside_inner_apply=False,
@@ -299,7 +262,7 @@ def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name
     feedback in front of it keeps everything the inner optimizer does). A
     config with momentum set asks for momentum correction, so its values must
     be the inner optimizer's. decoupled_momentum="auto" is resolved here to
-    True or False (`_decoupled_momentum_chosen`; `parts_given`: the wrapper
+    True, False or "auto" (`tf_topk.methods.default_method`; `parts_given`: the wrapper
     was given a selector, memory or router). ExchangeConfig checks the
     values; here is only what needs the inner optimizer.
     """
@@ -344,8 +307,13 @@ def wrapper_exchange_config(inner_optimizer, sgd_class, adam_classes, keras_name
                              "memory, router) would replace: pass one or the other")
         check_decoupled_momentum(inner_optimizer, adam_classes, keras_name, exchange_inside_inner_apply)
     elif decoupled == "auto":
-        changes["decoupled_momentum"], note = _decoupled_momentum_chosen(
-            inner_optimizer, adam_classes, config.replace(**changes), parts_given, exchange_inside_inner_apply)
+        resolved = config.replace(**changes)
+        skipped = [] if exchange_inside_inner_apply else _update_options_in_use(inner_optimizer)
+        changes["decoupled_momentum"], note = default_method(
+            resolved, is_adam(inner_optimizer, adam_classes), type(inner_optimizer).__name__,
+            amsgrad=getattr(inner_optimizer, "amsgrad", False), skipped_option=skipped[0] if skipped else None,
+            asked=parts_given or resolved.momentum is not None or resolved.sparse_output
+            or not resolved.error_feedback or resolved.rescale_residuals)
     return config.replace(**changes), note
 
 
@@ -573,34 +541,17 @@ class TopKWrapper:
         return self.inner_optimizer.learning_rate
 
     def _apply_directions(self, pairs, learning_rate=None, decay_and_constrain=True):
-        """`variable -= lr * (direction + weight_decay * variable)` for each
-        (direction, variable) pair: the inner optimizer's learning rate
-        (`learning_rate`, else its rate now) and decoupled weight decay (where
-        it decays that variable), through the strategy's variable update as
-        the Keras optimizers apply theirs, then the variable's constraint.
-        decay_and_constrain=False where the inner optimizer's own apply decays
-        and constrains the variables (Keras 3): only the update then."""
+        """`tf_topk.updates.apply_directions` of (direction, variable) pairs at the inner optimizer's
+        learning rate (`learning_rate`, else its rate now) with its decoupled weight decay (where it
+        decays that variable), then the variables' constraints. decay_and_constrain=False where the
+        inner optimizer's own apply decays and constrains the variables (Keras 3): only the update."""
         inner = self.inner_optimizer
-        learning_rate = tf.convert_to_tensor(self._learning_rate_now() if learning_rate is None else learning_rate)
         decays = [float(inner.weight_decay) if decay_and_constrain and inner.weight_decay
                   and inner._use_weight_decay(variable) else 0.0 for _, variable in pairs]
-
-        def step(variable, direction, decay):
-            rate = tf.cast(learning_rate, variable.dtype)
-            direction = tf.cast(direction, variable.dtype)
-            if decay:
-                direction += decay * variable
-            return variable.assign_sub(rate * direction)
-
-        def update(distribution, pairs):
-            for (direction, variable), decay in zip(pairs, decays):
-                distribution.extended.update(variable, step, args=(direction, decay), group=False)
-
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            update, tf.distribute.get_strategy(), [(d, self._tf_variable(v)) for d, v in pairs])
-        for _, variable in pairs if decay_and_constrain else ():  # as the inner apply does after its update
-            if getattr(variable, "constraint", None) is not None:
-                variable.assign(variable.constraint(variable))
+        apply_directions([(d, self._tf_variable(v)) for d, v in pairs],
+                         self._learning_rate_now() if learning_rate is None else learning_rate, decays)
+        if decay_and_constrain:  # as the inner apply does after its update
+            constrain([variable for _, variable in pairs])
 
     def _apply_or_skip(self, all_finite, apply, grads):
         """`apply(grads)` on every replica when all_finite, else count a skipped

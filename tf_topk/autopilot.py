@@ -135,12 +135,14 @@ class Plan:
     def method(self):
         """What runs, in words: "every entry, dense" (or dense_bf16), "decoupled momentum (DeMo) at
         density D", or "top-k with error feedback at an adaptive density"."""
+        from tf_topk.methods import DECOUPLED, TOP_K
+
         dense = self.dense_route()
         if dense:
             return f"every entry, {dense}"
         if self.decoupled:
-            return f"decoupled momentum (DeMo) at density {self.fixed_density():g}"
-        return f"top-k with error feedback at an adaptive density {MIN_DENSITY:g} to {self.max_density():.3g}"
+            return f"{DECOUPLED} at density {self.fixed_density():g}"
+        return f"{TOP_K} at an adaptive density {MIN_DENSITY:g} to {self.max_density():.3g}"
 
     def route(self):
         """The route this plan's router takes for one bucket of every

@@ -47,7 +47,8 @@ import tensorflow as tf
 from tf_topk import autopilot, ops
 from tf_topk.config import DEFAULT_MIN_SIZE, ExchangeConfig  # noqa: F401  (DEFAULT_MIN_SIZE: public here too)
 from tf_topk.config import FIXED_DEFAULT_DENSITY
-from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable, memory_for
+from tf_topk.memory import ErrorFeedbackMemory, Memory, make_state_variable
+from tf_topk.methods import memory_for
 from tf_topk.notices import tell
 from tf_topk.replica_state import keep_replica_values, keeping_replica_values
 from tf_topk.routes import (MODE_CODES, ROUTES, AgreedIndexRoute, AgreedOrDenseRoute, AllGatherOrDenseRoute,

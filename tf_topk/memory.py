@@ -45,7 +45,8 @@ was written to a separate buffer by the fused op, and is dropped).
 A new memory subclasses `Memory` and defines `build`, `state_variables`,
 `compensate(slot, grad)` (returning a `Compensation`: the tensor to select
 from is its gradient + residual) and `update(slot, compensation, remaining,
-values, indices)`, passed as `SparseExchange(..., memory=MyMemory())`. The
+values, indices)`, passed as `SparseExchange(..., memory=MyMemory())`. Which memory a config asks for
+is `tf_topk.methods.memory_for`'s. The
 exchange hands the sum and the selection to the fused op
 (`tf_topk.error_feedback_topk`), so a memory never makes a pass of its own
 over the accumulated gradient.
@@ -196,34 +197,6 @@ class Memory(abc.ABC):
         A body beyond the docstring: AutoGraph cannot convert a function whose
         only statement is its docstring, and warns the user to report it."""
         return None
-
-
-def memory_for(config, residuals=None):
-    """The memory an ExchangeConfig asks for: momentum correction with
-    `momentum` (Adam's with `beta_2`), DeMo's decoupled momentum
-    (`decoupled_momentum=True`; "auto" is the Keras wrappers' to resolve,
-    and off here), else error feedback (with ready-made `residuals`, if
-    given), else none."""
-    if config.decoupled_momentum is True:
-        if residuals is not None:
-            raise ValueError("residuals=... is for plain error feedback; decoupled momentum makes its own state")
-        from tf_topk.decoupled_momentum import DecoupledMomentumMemory
-
-        return DecoupledMomentumMemory()
-    if config.momentum is not None:
-        if residuals is not None:
-            raise ValueError("residuals=... is for plain error feedback; with momentum the memory makes its state")
-        if config.beta_2 is not None:
-            return AdamMomentumCorrectionMemory(config.momentum, config.beta_2, config.epsilon,
-                                                config.variance_warmup_steps)
-        return MomentumCorrectionMemory(config.momentum, nesterov=config.nesterov, masking=config.momentum_masking)
-    if not config.error_feedback:
-        if residuals is not None:
-            raise ValueError("residuals=... keeps what is not sent: it needs error_feedback=True")
-        return NoMemory()
-    if config.rescale_residuals:
-        return RateScaledErrorFeedbackMemory(residuals)
-    return ErrorFeedbackMemory(residuals)
 
 
 class ErrorFeedbackMemory(Memory):

@@ -52,7 +52,8 @@ import tensorflow as tf
 
 from tf_topk.adapter import (FROM_CONFIG, InnerOverrides, TopKWrapper, check_inner_only_arguments,
                              check_inner_optimizer, check_saved_method, exchange_parts, wrapper_exchange_config)
-from tf_topk.sparse_gradient import SparseGradient, apply_sparse_sgd
+from tf_topk.sparse_gradient import SparseGradient
+from tf_topk.updates import apply_pairs
 from tf_topk.keras.loss_scale_fix import apply_loss_scale_fix
 from tf_topk.keras.mwms_fix import apply_mwms_fix
 from tf_topk.replica_state import keeps_replica_values, restore_value, saved_values
@@ -635,9 +636,9 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
                 "Keras's own optimizers fail with it under MirroredStrategy's fit too); it works with one replica")
 
     def _apply_update(self, grads, positions, trainable_variables, learning_rate):
-        """The exchanged gradients applied: sparse pairs by SGD, Adam's
-        momentum correction's directions, the rest by the inner optimizer's
-        own update step (its dense all-reduce switched off)."""
+        """The exchanged gradients applied, each the way its method says (`tf_topk.updates`): sparse
+        pairs by SGD, decoupled momentum's and Adam's momentum correction's directions, the rest by the
+        inner optimizer's own update step (its dense all-reduce switched off)."""
         directed = self._direction_positions()
         pairs, directions, present = [], [], []
         for grad, position, variable in zip(grads, positions, trainable_variables):
@@ -647,26 +648,13 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
                 directions.append((grad, variable))
             else:
                 present.append((grad, variable))
-        if pairs:
-            self._apply_pairs(pairs, learning_rate)
+        if pairs:  # sparse_updates: the inner apply then applies each variable's constraint
+            apply_pairs([(g, self._tf_variable(v)) for g, v in pairs], learning_rate)
         if directions:
             self._apply_directions(directions, learning_rate, decay_and_constrain=False)  # Keras's apply does both
         if present:
             type(self.inner_optimizer)._backend_update_step(
                 self.inner_optimizer, [g for g, _ in present], [v for _, v in present], learning_rate)
-
-    def _apply_pairs(self, pairs, learning_rate):
-        """sparse_updates: plain SGD on the sent entries of each variable,
-        through the strategy's variable update as Keras applies its own (the
-        inner apply then applies each variable's constraint)."""
-
-        def update(distribution, pairs):
-            for grad, variable in pairs:
-                distribution.extended.update(variable, lambda v, g: apply_sparse_sgd(v, g, learning_rate),
-                                             args=(grad,), group=False)
-
-        tf.__internal__.distribute.interim.maybe_merge_call(update, tf.distribute.get_strategy(),
-                                                           [(g, self._tf_variable(v)) for g, v in pairs])
 
     def apply_gradients(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
