@@ -338,6 +338,7 @@ def main(argv=None):
     variables = model.trainable_variables
     print_setup(say, args, description, replicas, len(x_train), len(x_test), exchange)
     dist_dataset, steps_per_epoch = distribute_dataset(strategy, args, x_train, y_train)
+    exchange.say_if_run_ends_in_warmup(args.epochs * steps_per_epoch)  # as fit says it
     train_step = make_train_step(strategy, model, optimizer, exchange, variables, args.batch_size)
 
     summary = {"strategy": description, "replicas": replicas, "worker": worker,

@@ -82,7 +82,8 @@ def parse_args(argv=None):
 
 
 def make_strategy(args):
-    """MultiWorkerMirroredStrategy under TF_CONFIG, MirroredStrategy over --logical-cpus, else the default.
+    """MultiWorkerMirroredStrategy under TF_CONFIG, or in a Slurm job step of several tasks (Slurm
+    describes the cluster: `SlurmClusterResolver`), MirroredStrategy over --logical-cpus, else the default.
 
     Made once per process (TensorFlow's collectives are configured at start-up); `train` can then run
     several times under it.
@@ -99,6 +100,10 @@ def make_strategy(args):
     if "TF_CONFIG" in os.environ:
         tf_topk.keras.apply_mwms_fix()  # keras#20585, also for the dense baseline
         return tf.distribute.MultiWorkerMirroredStrategy()
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_NODELIST" in os.environ:  # srun of N tasks
+        tf_topk.keras.apply_mwms_fix()
+        resolver = tf.distribute.cluster_resolver.SlurmClusterResolver(port_base=12345)
+        return tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
     if args.logical_cpus:
         return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(args.logical_cpus)])
     return tf.distribute.get_strategy()

@@ -179,6 +179,7 @@ def train(args):
     module = make_module(args)
     print(f"training from scratch: {len(module.exchange.sparse_positions)} sparsified variable(s) at density "
           f"{args.density:g} ({args.method}), SGD lr {args.learning_rate:g} momentum {args.momentum:g}")
+    module.exchange.say_if_run_ends_in_warmup(args.steps)  # as fit says it
     losses = run_steps(module.train_step, x, y, 0, args.steps, args.batch_size, args.seed, args.log_every)
     summary = {"losses": losses, "step": int(module.step.numpy()),
                "residual_norm": float(module.residual_norm()),

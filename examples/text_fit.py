@@ -10,13 +10,13 @@ momentum correction instead: dense AdamW for `--warmup` steps, then the second
 moment frozen and each replica's momentum of the preconditioned gradient sent.
 
 One process (one replica, the whole batch):
-    python examples/text_fit.py --steps 300 --density 0.01
+    python examples/text_fit.py --steps 600 --density 0.01
 One process split into two logical CPUs (MirroredStrategy, two replicas, each
 half of every global batch: the same algorithm as two workers):
-    python examples/text_fit.py --steps 300 --density 0.01 --logical-cpus 2
+    python examples/text_fit.py --steps 600 --density 0.01 --logical-cpus 2
 Two local workers (MultiWorkerMirroredStrategy through TF_CONFIG), each half
 of every global batch:
-    python -m tf_topk.launch --workers 2 examples/text_fit.py --steps 300 --density 0.01
+    python -m tf_topk.launch --workers 2 examples/text_fit.py --steps 600 --density 0.01
 
 Prints one line `RESULT {...}` per process: the validation loss (nats per
 byte), the steps taken and the sha256 of the final weights, so that workers

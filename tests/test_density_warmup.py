@@ -229,3 +229,17 @@ def test_a_config_saved_before_the_warmup_existed_resumes_without_one():
     del optimizer_config["density_warmup_steps"]
     loaded = tf_topk.TopKOptimizer.from_config(optimizer_config)
     assert loaded.density_warmup_steps == 0 and loaded.exchange_config.schedule.is_constant
+
+
+def test_a_custom_loop_hears_that_its_run_ends_inside_the_warmup(capsys):
+    """`SparseExchange.say_if_run_ends_in_warmup(steps)`: the line `fit` says, for the steps a loop plans."""
+    exchange = tf_topk.SparseExchange([tf.Variable(tf.zeros([5000]))], density=0.01)
+    line = exchange.say_if_run_ends_in_warmup(84)
+    assert line == ("tf_topk: this run ends at step 84, inside the 400-step warm-up of density 0.01: its last steps "
+                    "send density 0.25, not 0.01; density_warmup_steps=0 (or a shorter warm-up) trains at the "
+                    "density given")
+    assert line in capsys.readouterr().err
+    assert exchange.say_if_run_ends_in_warmup(400) is None
+    assert "0.11, not 0.01" in exchange.say_if_run_ends_in_warmup(200)
+    assert tf_topk.SparseExchange([tf.Variable(tf.zeros([5000]))], density=0.01,
+                                  density_warmup_steps=0).say_if_run_ends_in_warmup(84) is None

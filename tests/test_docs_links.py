@@ -79,3 +79,65 @@ def test_each_maintained_benchmark_script_is_run_by_a_test_or_by_make(tool):
     assert users, f"benchmarks/{tool.name} is run by no test and no make target"
     assert f"benchmarks/{tool.name}" in (REPO_ROOT / "benchmarks" / "README.md").read_text(), \
         f"benchmarks/README.md does not say what {tool.name} answers"
+
+
+README = REPO_ROOT / "README.md"
+
+
+def readme_tables():
+    """The README's table rows outside code, each as its list of cells (header and rule rows left out)."""
+    rows = []
+    for line in re.sub(r"^```.*?^```", "", README.read_text(), flags=re.M | re.S).splitlines():
+        if line.startswith("|") and not re.match(r"^\|[-| ]+\|$", line):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def results_section(anchor):
+    """RESULTS.md from the heading whose anchor is `anchor` to the next heading of its level or above."""
+    lines = RESULTS.read_text().splitlines()
+    for start, line in enumerate(lines):
+        match = re.match(r"^(#+) (.*)$", line)
+        if match and re.sub(r"[^\w\- ]", "", match.group(2).strip().lower()).replace(" ", "-") == anchor:
+            level = len(match.group(1))
+            end = next((i for i in range(start + 1, len(lines)) if re.match(rf"^#{{1,{level}}} ", lines[i])),
+                       len(lines))
+            return "\n".join(lines[start:end])
+    raise AssertionError(f"no heading #{anchor} in RESULTS.md")
+
+
+def test_the_readme_reads_in_short_paragraphs_and_cells():
+    """A newcomer's page: every paragraph 120 words or fewer, every table cell 40 or fewer."""
+    text = re.sub(r"^```.*?^```", "", README.read_text(), flags=re.M | re.S)
+    for paragraph in re.split(r"\n\s*\n", text):
+        if not paragraph.lstrip().startswith(("|", "#")):
+            for item in re.split(r"^- ", paragraph, flags=re.M):  # a list's items one by one
+                assert len(item.split()) <= 120, item[:80]
+    for row in readme_tables():
+        for cell in row:
+            assert len(cell.split()) <= 40, cell[:80]
+
+
+def test_each_readme_figure_appears_in_the_results_section_it_links_to():
+    """A row that links a RESULTS section quotes its figures (the row's last cell) from that section:
+    a figure that drifted from its run (229x where the section reads 235x) fails here."""
+    checked = 0
+    for row in readme_tables():
+        anchors_linked = re.findall(r"\(benchmarks/RESULTS\.md#([\w\-]+)\)", " ".join(row))
+        if not anchors_linked:
+            continue
+        figures = re.findall(r"[+-]?\d+(?:[.,]\d+)*(?:e-?\d+)?x?", re.sub(r"\([^)]*\)", "", row[-1]))
+        section = "\n".join(results_section(anchor) for anchor in anchors_linked)
+        missing = [figure for figure in figures if figure not in section]
+        assert not missing, f"{row[-1][:60]}: {missing} not in RESULTS#{anchors_linked}"
+        checked += 1
+    assert checked >= 10
+
+
+def test_the_readmes_default_table_is_the_librarys():
+    """The table of what the default does says what `tf_topk.methods.DEFAULT_METHODS` says, row by row."""
+    from tf_topk.methods import DEFAULT_METHODS
+
+    rows = [row[:3] for row in readme_tables() if len(row) == 4 and row[0] != "inner optimizer"
+            and row[0] in ("any", "Adam or AdamW", "any other")]
+    assert rows == [list(case) for case in DEFAULT_METHODS]

@@ -25,7 +25,7 @@ import tensorflow as tf
 from tensorflow.core.framework import summary_pb2
 
 from tf_topk.config import ExchangeConfig
-from tf_topk.exchange import STAT_NAMES, SparseExchange, sparsified_positions
+from tf_topk.exchange import STAT_NAMES, SparseExchange, sparsified_positions, warmup_notice
 from tf_topk.memory import METHODS, method_code, state_name
 from tf_topk.methods import default_method
 from tf_topk.updates import apply_directions, constrain
@@ -685,17 +685,12 @@ class CompressionStatsLogic:
         """Says so (on the chief) where `fit`'s planned steps end inside a fixed density's warm-up: the
         whole run then trains and reports a higher density than the one given."""
         config = optimizer.exchange.config if optimizer.exchange is not None else optimizer.exchange_config
-        warmup, params = config.density_warmup_taken, self.params or {}
-        if not warmup or not params.get("epochs") or not params.get("steps"):
-            return  # no warm-up, or a run of unknown length
-        last = int(optimizer.iterations.numpy()) + params["epochs"] * params["steps"] - 1
-        if last >= warmup:
-            return
-        final = config.schedule.settled_density()
-        reached = [d for step, d in config.schedule.steps if step <= last][-1]  # the warm-up's stage then
-        tell(f"tf_topk: this fit ends at step {last + 1}, inside the {warmup}-step warm-up of density {final:g}: "
-             f"its last steps send density {reached:.2g}, not {final:g}; density_warmup_steps=0 (or a shorter "
-             "warm-up) trains at the density given", getattr(self.model, "distribute_strategy", None))
+        params = self.params or {}
+        if not params.get("epochs") or not params.get("steps"):
+            return  # a run of unknown length
+        line = warmup_notice(config, "fit", int(optimizer.iterations.numpy()) + params["epochs"] * params["steps"])
+        if line:
+            tell(line, getattr(self.model, "distribute_strategy", None))
 
     def on_train_batch_end(self, batch, logs=None):
         self._step += 1

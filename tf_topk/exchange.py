@@ -233,6 +233,15 @@ class SparseExchange(tf.Module):
         self._slot = {position: slot for slot, position in enumerate(self.sparse_positions)}
         self._dense_slot = {position: slot for slot, position in enumerate(self.dense_positions)}
 
+    def say_if_run_ends_in_warmup(self, steps):
+        """Say (on the chief) that a run ending after `steps` optimizer steps ends inside the density
+        warm-up, as `fit` says it (`tf_topk.keras.CompressionStats`): a custom loop calls it with the
+        steps it plans. Returns the line, or None."""
+        line = warmup_notice(self.config, "run", steps)
+        if line:
+            tell(line)
+        return line
+
     @property
     def num_buckets(self):
         """Number of buckets: each is one collective per step (two with agreed indices)."""
@@ -616,6 +625,19 @@ def _unpack(summed, small, count):
     then the `count` scalars as one vector."""
     pieces = tf.split(summed, [int(g.shape.num_elements()) for g in small] + [count])
     return [tf.cast(tf.reshape(p, tf.shape(g)), g.dtype) for p, g in zip(pieces, small)] + [pieces[-1]]
+
+
+def warmup_notice(config, run, steps):
+    """The line that says a run (`run`: "fit", "run") that ends after `steps` optimizer steps ends inside
+    `config`'s density warm-up, sending more than the density given; None where it does not."""
+    warmup = config.density_warmup_taken
+    if not warmup or steps >= warmup:
+        return None
+    final = config.schedule.settled_density()
+    reached = [d for step, d in config.schedule.steps if step <= steps - 1][-1]  # the warm-up's stage then
+    return (f"tf_topk: this {run} ends at step {steps}, inside the {warmup}-step warm-up of density {final:g}: its "
+            f"last steps send density {reached:.2g}, not {final:g}; density_warmup_steps=0 (or a shorter warm-up) "
+            "trains at the density given")
 
 
 def describe_density_warmup(config):
