@@ -162,6 +162,20 @@ def test_cli_hides_tensorflows_startup_lines_and_shows_the_chief_alone_when_aske
     assert len(startup) == (4 * len(workers) if "--verbose" in options else 0), lines
 
 
+@pytest.mark.parametrize("exit_code", [0, 3])
+def test_cli_holds_back_the_coordination_services_end_of_job_error_unless_the_job_fails(exit_code):
+    """Worker 1 still talking to the coordination service after worker 0 (its host) has left logs an
+    error at the end of a job that succeeded: not shown then; shown when the job fails."""
+    proc = subprocess.run(_cli("--workers", "2", "--timeout", "60", BEHAVE, "--shutdown-race-log",
+                               "--exit", f"1:{exit_code}"),
+                          cwd=REPO_ROOT, env={**os.environ, **worker_env()}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == exit_code
+    shown = "Failed to send RPC to coordination service" in proc.stdout + proc.stderr
+    assert shown == (exit_code != 0), proc.stdout + proc.stderr
+    assert "[worker 1] hello from 1" in proc.stdout
+
+
 def test_cli_chief_only_prints_the_last_lines_of_another_worker_that_fails():
     proc = subprocess.run(_cli("--workers", "2", "--timeout", "60", "--chief-only", BEHAVE, "--startup-log",
                                "--exit", "1:3", "--hang"),

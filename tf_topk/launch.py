@@ -307,15 +307,28 @@ STARTUP_LOG = re.compile(r"^(WARNING: All log messages before absl::InitializeLo
                          r"To enable the following instructions: )")
 
 
+# The error a worker logs when it still talks to the coordination service (on worker 0) after worker
+# 0 has exited: the end of a job whose workers finish a moment apart, not a failure. Held back while
+# the job runs; printed if it fails (`main`).
+SHUTDOWN_RACE_LOG = re.compile(r"^E\d{4} .*(Failed to send RPC to coordination service|"
+                               r"coordination service.*(Connection refused|Socket closed))")
+
+
 def is_startup_log(line: str) -> bool:
     """Whether a worker's output line is one of TensorFlow's start-up log lines (`STARTUP_LOG`)."""
     return bool(STARTUP_LOG.match(line))
 
 
-def shown_lines(verbose: bool = False, chief_only: bool = False) -> Callable[[int, str], bool]:
+def shown_lines(verbose: bool = False, chief_only: bool = False,
+                held: Optional[list] = None) -> Callable[[int, str], bool]:
     """The `show` filter of `run_workers` that the command line's --verbose and --chief-only ask for:
-    TensorFlow's start-up lines hidden unless `verbose`; with `chief_only`, worker 0's lines alone."""
+    TensorFlow's start-up lines hidden unless `verbose`; with `chief_only`, worker 0's lines alone. The
+    coordination service's end-of-job error (`SHUTDOWN_RACE_LOG`) is held back unless `verbose`: appended
+    to `held` as (index, line), for the caller to print if the job fails."""
     def show(index: int, line: str) -> bool:
+        if not verbose and held is not None and SHUTDOWN_RACE_LOG.match(line):
+            held.append((index, line))
+            return False
         return (index == 0 or not chief_only) and (verbose or not is_startup_log(line))
     return show
 
@@ -614,6 +627,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # SIGINT too, rather than KeyboardInterrupt: the result then says what
     # was stopped, and the first signal decides the exit code.
     previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
+    held = []  # the coordination service's end-of-job errors, shown only if the job fails
     try:
         result = run_workers(
             args.workers,
@@ -623,7 +637,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ports=args.ports,
             grace_s=args.grace,
             restarts=args.restarts,
-            show=shown_lines(verbose=args.verbose, chief_only=args.chief_only),
+            show=shown_lines(verbose=args.verbose, chief_only=args.chief_only, held=held),
         )
     except KeyboardInterrupt:
         print("tf_topk.launch: interrupted, workers stopped", file=sys.stderr)
@@ -632,6 +646,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
 
+    if result.returncode != 0:
+        for index, line in held:
+            print(f"[worker {index}] {line}" if not args.no_prefix else line, file=sys.stderr)
     unstopped = ""
     if result.left_running:
         unstopped = f" except pids {', '.join(map(str, result.left_running))} (still running after SIGKILL)"

@@ -4,6 +4,7 @@ No TensorFlow: it starts in milliseconds. Options (all optional):
   --record DIR        write TF_CONFIG and the argv to DIR/worker_{i}.json
   --stderr            also print a line to stderr
   --startup-log       first print TensorFlow's start-up log lines (as TF 2.21 does) to stderr
+  --shutdown-race-log worker 1 prints the coordination service's end-of-job error (as TF 2.21 does)
   --no-newline        end with a partial line (no trailing newline)
   --exit I:CODE       worker I exits with CODE after --delay seconds (CODE -S: kills
                       itself with signal S)
@@ -28,6 +29,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--record")
 p.add_argument("--stderr", action="store_true")
 p.add_argument("--startup-log", action="store_true")
+p.add_argument("--shutdown-race-log", action="store_true")
 p.add_argument("--no-newline", action="store_true")
 p.add_argument("--exit", action="append", default=[])
 p.add_argument("--exit-attempts", type=int, default=None)
@@ -70,6 +72,10 @@ if args.stderr:
     print(f"stderr from {index}", file=sys.stderr, flush=True)
 if args.no_newline:
     print(f"partial from {index}", end="", flush=True)
+if args.shutdown_race_log and index == 1:  # as TF 2.21 logs it where worker 0, the service's host, left first
+    print("E0000 00:00:1796622101.453858   31881 base_collective_executor.cc:252] BaseCollectiveExecutor::"
+          "StartAbort UNAVAILABLE: Failed to send RPC to coordination service. Either the leader task died or "
+          "the connection failed: Connection refused", file=sys.stderr, flush=True)
 
 codes = dict(map(int, e.split(":")) for e in args.exit)
 if args.exit_attempts is not None and attempt >= args.exit_attempts:
