@@ -8,6 +8,7 @@ variables is an embedding table (named `embeddings`), whose DCT runs along each 
 """
 
 import functools
+import json
 import math
 
 import keras
@@ -558,3 +559,19 @@ def test_a_checkpoint_of_another_method_is_refused_naming_both(tmp_path):
     np.testing.assert_array_equal(same.residuals[0].numpy(), decoupled.residuals[0].numpy())
     trained(same, variables, steps=1)
     assert int(same.iterations.numpy()) == 3
+
+
+def test_the_coverage_benchmark_reports_each_shapes_share(capsys):
+    """benchmarks/dct_coverage.py (RESULTS' figures): a prime-sided kernel moves whole, its embedding
+    table as far as its rows' own coefficients reach."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    import dct_coverage
+
+    assert dct_coverage.main(["--shapes", "97x97,4099", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [row["shape"] for row in rows] == ["97x97", "4099"] and "embedding_table" not in rows[1]
+    assert rows[0]["kernel"] == 1.0 and 0.3 < rows[0]["embedding_table"] < 0.5 and rows[1]["kernel"] > 0.99
+    with pytest.raises(SystemExit):
+        dct_coverage.main(["--shapes", "97x0"])
