@@ -9,7 +9,7 @@ variable count: each is listed below with its reason, and each run must fail exa
 failure is a defect, and a listed one that passes must leave the list. The plugin counts the
 TopKOptimizers each case builds: a case that passes without building one ran against Keras alone and
 fails this test, unless it is on the short list of those that rightly build none (BUILDS_NONE); the
-count of cases that passed with a wrapper is the one README.md states.
+count of cases that passed with a wrapper is the one docs/keras.md states.
 """
 
 import json
@@ -147,10 +147,10 @@ def test_keras_optimizer_tests_pass_against_the_wrapper_but_the_listed_ones(conf
                        if outcome == "passed" and not built.get(case) and keras_test_of(case) not in BUILDS_NONE)
     assert not unwrapped, f"cases that passed without building a TopKOptimizer ({config}): {unwrapped}"
     ran = sum(outcome == "passed" and built.get(case, 0) > 0 for case, outcome in cases.items())
-    stated = re.search(r"(\d+) of (\d+) cases pass against the wrapper", (REPO_ROOT / "README.md").read_text())
-    assert stated, "README.md does not state the conformance count"
+    stated = re.search(r"(\d+) of (\d+) cases pass against the\s+wrapper", (REPO_ROOT / "docs" / "keras.md").read_text())
+    assert stated, "docs/keras.md does not state the conformance count"
     assert (int(stated.group(1)), int(stated.group(2))) == (ran, len(cases)), \
-        f"README.md says {stated.group(0)}; measured ({config}): {ran} of {len(cases)}"
+        f"docs/keras.md says {stated.group(0)}; measured ({config}): {ran} of {len(cases)}"
 
 
 def test_the_guide_lists_every_adapted_test():
