@@ -67,16 +67,24 @@ def test_an_unknown_variant_is_named():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant, density", [("demoq:bits=8,qchunk=4096", "0.03"), ("lion", "0.01")])
-def test_a_tiny_run_prints_one_line_per_seed(variant, density):
-    """A compressed variant and the uncompressed sign baseline (no compression statistics to read)."""
-    proc = subprocess.run([sys.executable, str(SCRIPT), "run", variant, density, "0,1", "--",
-                           "--dataset", "text", "--steps", "20", "--eval-every", "10"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    runs = [json.loads(line) for line in proc.stdout.splitlines()]
+@pytest.mark.parametrize("variant, density, seeds, command_line", [
+    ("demoq:bits=8,qchunk=4096", "0.03", [0, 1], True), ("lion", "0.01", [0], False)])
+def test_a_tiny_run_prints_one_line_per_seed(variant, density, seeds, command_line, capsys):
+    """A compressed variant through the command line, two seeds, and the uncompressed sign baseline (no
+    compression statistics to read) through `main` in this process."""
+    argv = ["run", variant, density, ",".join(map(str, seeds)), "--",
+            "--dataset", "text", "--steps", "20", "--eval-every", "10"]
+    if command_line:
+        proc = subprocess.run([sys.executable, str(SCRIPT), *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        output = proc.stdout
+    else:
+        assert candidates.main(argv) == 0
+        output = capsys.readouterr().out
+    runs = [json.loads(line) for line in output.splitlines()]
     assert [(r["variant"], r["seed"], r["steps"], len(r["curve"])) for r in runs] == [
-        (variant, 0, 20, 2), (variant, 1, 20, 2)]
+        (variant, seed, 20, 2) for seed in seeds]
     assert all(r["final"] < r["curve"][0] < 5.6 for r in runs)
 
 

@@ -24,6 +24,7 @@ split_cpu(2)  # before TensorFlow starts
 import tf_topk  # noqa: E402
 from multiworker import REPO_ROOT  # noqa: E402
 from tf_topk.autopilot import DECOUPLED_DENSITIES, FIXED_DENSITY_SAVING, Plan, advise  # noqa: E402
+from tf_topk.bench.__main__ import main as bench_main  # noqa: E402
 from tf_topk.cost import AUTO_AGREED_SLOTS, CostModel  # noqa: E402
 from tf_topk.decoupled_momentum import DecoupledMomentumMemory  # noqa: E402
 
@@ -144,13 +145,20 @@ def test_a_bad_link_in_the_environment_is_named(monkeypatch):
         fit(lambda: tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3)), strategy)
 
 
-@pytest.mark.parametrize("link, workers, params", [("100mbit", 2, TEXT_MODEL), ("1gbit", 8, 12_609_546),
-                                                   ("100gbit", 2, 70_000)])
-def test_advise_predicts_the_method_and_density_the_optimizer_takes(link, workers, params):
-    completed = subprocess.run([sys.executable, "-m", "tf_topk.bench", "advise", "--params", str(params),
-                                "--workers", str(workers), "--link", link, "--optimizer", "adamw", "--json"],
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True)
-    advice = json.loads(completed.stdout)
+@pytest.mark.parametrize("link, workers, params, command_line", [
+    ("100mbit", 2, TEXT_MODEL, True), ("1gbit", 8, 12_609_546, False), ("100gbit", 2, 70_000, False)])
+def test_advise_predicts_the_method_and_density_the_optimizer_takes(link, workers, params, command_line, capsys):
+    """One case through the command line as a user types it; the others call its `main` here (the same
+    code, without a TensorFlow start-up each)."""
+    argv = ["advise", "--params", str(params), "--workers", str(workers), "--link", link, "--optimizer", "adamw",
+            "--json"]
+    if command_line:
+        output = subprocess.run([sys.executable, "-m", "tf_topk.bench", *argv], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=120, check=True).stdout
+    else:
+        assert bench_main(argv) == 0
+        output = capsys.readouterr().out
+    advice = json.loads(output)
     plan = plan_for(workers, link, params)
     assert advice["method"] == plan.method() and advice["autopilot_density"] == plan.fixed_density()
     assert advice == {**advice, **{key: value for key, value in
