@@ -16,7 +16,10 @@ per seed ("inner": the inner optimizer, e.g. with `--global-clipnorm 1.0`). VARI
     mc                         Adam's momentum correction (vw=: its variance warm-up, default 10%)
     demo                       decoupled momentum (the library's DecoupledMomentumMemory); options:
                                decay=, chunk= (the DCT's block side), sign=0 (the decoded sum, not its
-                               sign), scale= (the direction times this), and at most one of rms=1 (the
+                               sign), scale= (its step_scale: the sign step in units of the rate;
+                               demo and demoq take the library's, 2.0 since 2026-12-07 and
+                               1.0 in every line before; with an option below 1.0, as it was
+                               measured), and at most one of rms=1 (the
                                decoded sum over its root mean square), smooth=B (a moving average of
                                the sign), inner=1 (the decoded sum as the inner AdamW's gradient),
                                adam=W (Adam's direction of the decoded sum for the first W steps, then
@@ -52,7 +55,7 @@ import tensorflow as tf
 
 import tf_topk.memory
 import tf_topk.selector
-from tf_topk.decoupled_momentum import BlockDCT, DecoupledMomentumMemory
+from tf_topk.decoupled_momentum import DEFAULT_STEP_SCALE, BlockDCT, DecoupledMomentumMemory
 from tf_topk.bench.suite import paired_interval
 
 class QuantizedChunkSelector(tf_topk.selector.Selector):
@@ -122,30 +125,19 @@ def pair_bytes(value_bits, chunk, scale_bits=16):
 
 
 
-class ScaledSign(DecoupledMomentumMemory):
-    """scale=: the direction times a constant."""
-
-    def __init__(self, scale, **options):
-        super().__init__(**options)
-        self.scale = scale
-
-    def apply_sparse(self, slot, summed, keep):
-        return self.scale * super().apply_sparse(slot, summed, keep)
-
-
 class ThroughInner(DecoupledMomentumMemory):
     """inner=1: the decoded sum goes to the inner optimizer as the gradient."""
 
     applies_update = False
 
 
-class RootMeanSquare(ScaledSign):
+class RootMeanSquare(DecoupledMomentumMemory):
     """rms=1: the decoded sum over its root mean square on the variable (built with sign=False), times
     scale=."""
 
     def apply_sparse(self, slot, summed, keep):
-        decoded = DecoupledMomentumMemory.apply_sparse(self, slot, summed, keep)
-        return self.scale * decoded * tf.math.rsqrt(tf.reduce_mean(tf.square(decoded)) + 1e-30)
+        decoded = super().apply_sparse(slot, summed, keep)
+        return self.step_scale * decoded * tf.math.rsqrt(tf.reduce_mean(tf.square(decoded)) + 1e-30)
 
 
 class SmoothedSign(DecoupledMomentumMemory):
@@ -257,7 +249,7 @@ class RowsApart(DecoupledMomentumMemory):
 
 def decoupled_memory(options):
     """The DecoupledMomentumMemory, or the trial's subclass of it, that `options` ask for (at most one
-    of inner=, rms=, smooth=, adam=, dense=, rows=, vocab=; scale= with rms= or alone)."""
+    of inner=, rms=, smooth=, adam=, dense=, rows=, vocab=; scale= with any of them)."""
     special = [key for key in ("inner", "rms", "smooth", "adam", "dense", "rows", "vocab") if key in options]
     if len(special) > 1:
         raise SystemExit(f"at most one of inner=, rms=, smooth=, adam=, dense=, rows=, vocab= at a time, got "
@@ -265,12 +257,12 @@ def decoupled_memory(options):
     through_inner, rms = options.get("inner", "0") == "1", options.get("rms", "0") == "1"
     common = dict(decay=float(options.get("decay", 0.999)), chunk=int(options.get("chunk", 64)),
                   sign=options.get("sign", "0" if through_inner or rms else "1") == "1",
-                  embedding_rows_apart=options.get("apart", "1") == "1")
-    scale = float(options.get("scale", 1.0))
+                  embedding_rows_apart=options.get("apart", "1") == "1",
+                  step_scale=float(options.get("scale", 1.0 if special else DEFAULT_STEP_SCALE)))
     if through_inner:
         return ThroughInner(**common)
     if rms:
-        return RootMeanSquare(scale, **common)
+        return RootMeanSquare(**common)
     if "smooth" in options:
         return SmoothedSign(float(options["smooth"]), **common)
     if "adam" in options:
@@ -279,7 +271,7 @@ def decoupled_memory(options):
         return DenseAdamFirst(int(options["dense"]), **common)
     if "rows" in options or "vocab" in options:
         return RowsApart(options.get("rows"), int(options["vocab"]) if "vocab" in options else None, **common)
-    return ScaledSign(scale, **common) if scale != 1.0 else DecoupledMomentumMemory(**common)
+    return DecoupledMomentumMemory(**common)
 
 
 UNCOMPRESSED = ("dense", "lion")  # Keras's optimizers alone: no TopKOptimizer, no compression statistics

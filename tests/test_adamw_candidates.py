@@ -140,7 +140,7 @@ def test_adam_then_sign_steps_as_adam_first():
 
     args = convergence.parse_args(["--dataset", "text", "--steps", "20", "--weight-decay", "0"])
     moves = {}
-    for variant in ("demo:adam=5,warm=0", "demo:warm=0"):
+    for variant in ("demo:adam=5,warm=0", "demo:warm=0,scale=1"):
         optimizer = candidates.make_builder(variant, 1.0)(keras, args)
         variable = tf.Variable(tf.ones([64, 64]))
         steps = []
@@ -149,7 +149,7 @@ def test_adam_then_sign_steps_as_adam_first():
             optimizer.apply_gradients([(tf.constant(gradient), variable)])
             steps.append(variable.numpy() - before)
         moves[variant] = steps
-    adam, sign = moves["demo:adam=5,warm=0"], moves["demo:warm=0"]
+    adam, sign = moves["demo:adam=5,warm=0"], moves["demo:warm=0,scale=1"]
     np.testing.assert_allclose(adam[0], sign[0], atol=2e-6)  # density 1: the decoded sum is the gradient
     np.testing.assert_allclose(np.abs(sign[1]), 1e-3, rtol=1e-3)
     assert np.max(np.abs(adam[1])) < 0.9e-3

@@ -3,13 +3,15 @@
 
 One process, logical CPUs (MirroredStrategy): each replica gets its own gradients, applied through
 `TopKOptimizer(AdamW, ...)`; the reference keeps each replica's momentum in the DCT's space, takes its
-exact top-k, and applies the sign of the decoded sum at the learning rate after AdamW's decay; one of the
+exact top-k, and applies the sign of the decoded sum at twice the learning rate (the default
+`decoupled_step_scale`) after AdamW's decay; one of the
 variables is an embedding table (named `embeddings`), whose DCT runs along each row.
 """
 
 import functools
 import json
 import math
+import re
 
 import keras
 import numpy as np
@@ -28,6 +30,7 @@ from tf_topk.decoupled_momentum import (DEFAULT_DECAY, BlockDCT, DecoupledMoment
                                         is_embedding_table)
 
 LR, WEIGHT_DECAY, DENSITY, MIN_SIZE, STEPS = 0.01, 0.1, 1 / 128, 1000, 4
+STEP_SCALE = 2.0  # the sign step in learning rates: ExchangeConfig.decoupled_step_scale's default
 # (shape, sparsified): 2048 and 2304 entries (k = 16 and 18 exactly; blocks 64x32 and 48x48), a bias, and
 # an embedding table of 2304 entries (k = 18) named as Keras names one, so its blocks are 1x24.
 SHAPES = [((64, 32), True), ((6, 8, 48), True), ((8,), False), ((96, 24), True)]
@@ -153,11 +156,11 @@ def untouched_rows_move(embedding_rows_apart):
 
 def test_rows_no_batch_touched_stay_where_they_are():
     """Rows apart, a row whose token was in no batch does not move (as under dense AdamW); in 2-D
-    blocks it moves by the full rate, the sign of its neighbours' momentum."""
+    blocks it moves by the full step, the sign of its neighbours' momentum."""
     untouched, touched = untouched_rows_move(embedding_rows_apart=True)
-    assert untouched == 0.0 and touched == pytest.approx(0.01, rel=1e-4)
+    assert untouched == 0.0 and touched == pytest.approx(STEP_SCALE * 0.01, rel=1e-4)
     untouched, touched = untouched_rows_move(embedding_rows_apart=False)
-    assert untouched == pytest.approx(0.01, rel=1e-4)
+    assert untouched == pytest.approx(STEP_SCALE * 0.01, rel=1e-4)
 
 
 def test_block_sides_are_as_equal_as_can_be_and_at_most_the_chunk():
@@ -168,7 +171,8 @@ def test_block_sides_are_as_equal_as_can_be_and_at_most_the_chunk():
 
 class Reference:
     """DeMo on numpy: per replica, m <- decay * m + DCT(g), send the exact top-k of |m|, keep the rest;
-    sparsified variables move by lr * sign(IDCT(sum sent)) after AdamW's decay; the bias by AdamW. The
+    sparsified variables move by STEP_SCALE * lr * sign(IDCT(sum sent)) after AdamW's decay; the bias by
+    AdamW. The
     embedding table's DCT runs along each row only (`rows_apart`, the default). `ties[v]`: the entries of
     the last step whose decoded sum is zero in exact arithmetic but not in float (a single coefficient's
     cosine at a node, common in a row with one coefficient): their sign is rounding's, either move holds."""
@@ -206,7 +210,7 @@ class Reference:
             decoded = reference_idct(sums[slot], shape, self.rows_apart[v])
             self.ties[v] = (reference_touched(sums[slot], shape, self.rows_apart[v])
                             & (np.abs(decoded) < 1e-5 * np.abs(decoded).max())).reshape(shape)
-            self.weights[v] -= LR * np.sign(decoded).reshape(shape)
+            self.weights[v] -= STEP_SCALE * LR * np.sign(decoded).reshape(shape)
         g = sum(replica[BIAS].astype(np.float64) for replica in grads)
         self.t += 1
         self.adam_m += (g - self.adam_m) * 0.1
@@ -295,10 +299,11 @@ def test_replicas_match_numpy_demo_through_a_skipped_step(replicas, api):
     assert int(optimizer.skipped_steps.numpy()) == 1
 
 
-def test_agreed_indices_move_every_sparsified_entry_by_the_learning_rate():
+def test_agreed_indices_move_every_sparsified_entry_by_the_sign_step():
     """With agreed indices each replica sends its own values at the leader's: whatever was chosen, every
-    entry of a 2-D-blocked variable moves by exactly lr (the sign) beyond the decay; in the embedding
-    table, whole rows move by lr, at most k of them, and the others keep their place (decay aside)."""
+    entry of a 2-D-blocked variable moves by exactly the sign step (STEP_SCALE * lr) beyond the decay; in
+    the embedding table, whole rows move by it, at most k of them, and the others keep their place
+    (decay aside)."""
     start, history, _, optimizer = run_replicas(2, "allreduce")
     k_table = round(DENSITY * np.prod(SHAPES[TABLE][0]))
     before = start
@@ -308,9 +313,9 @@ def test_agreed_indices_move_every_sparsified_entry_by_the_learning_rate():
             continue
         moves = {v: np.abs(weights[v] - before[v] * (1 - LR * WEIGHT_DECAY)) for v in SPARSIFIED}
         for v in SPARSIFIED[:2]:
-            np.testing.assert_allclose(moves[v], LR, rtol=1e-3)
+            np.testing.assert_allclose(moves[v], STEP_SCALE * LR, rtol=1e-3)
         moved = moves[TABLE].max(axis=1) > LR / 2
-        np.testing.assert_allclose(moves[TABLE][moved], LR, rtol=1e-3)
+        np.testing.assert_allclose(moves[TABLE][moved], STEP_SCALE * LR, rtol=1e-3)
         np.testing.assert_allclose(moves[TABLE][~moved], 0, atol=1e-6)
         assert 1 <= moved.sum() <= k_table
         before = weights
@@ -447,6 +452,34 @@ def test_a_config_written_before_the_option_loads_as_the_method_it_ran():
     assert tf_topk.TopKOptimizer.from_config(written).decoupled_momentum is False
 
 
+@pytest.mark.parametrize("scale", [None, 1.0, 3.0])
+def test_the_sign_step_is_decoupled_step_scale_learning_rates_and_is_saved(scale):
+    """Each sparsified entry moves by decoupled_step_scale times the rate (2.0 unless given); the
+    scale is saved with the config, and a config written before it existed loads with DeMo's 1.0, the
+    step it ran."""
+    given = {} if scale is None else {"decoupled_step_scale": scale}
+    config = tf_topk.ExchangeConfig(density=0.01, density_warmup_steps=0, min_size=1, **given)
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01, weight_decay=0.0), config=config)
+    variable = keras.Variable(np.zeros((64, 64), np.float32), name="kernel")
+    optimizer.apply([tf.constant(np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32))],
+                    [variable])
+    moved = np.abs(variable.numpy())
+    expected = STEP_SCALE if scale is None else scale
+    np.testing.assert_allclose(moved[moved != 0], expected * 0.01, rtol=1e-5)
+    written = optimizer.get_config()
+    assert tf_topk.TopKOptimizer.from_config(written).exchange_config.decoupled_step_scale == expected
+    del written["decoupled_step_scale"]
+    assert tf_topk.TopKOptimizer.from_config(written).exchange_config.decoupled_step_scale == 1.0
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "2"])
+def test_a_bad_step_scale_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match=re.escape(f"decoupled_step_scale must be a finite number > 0, got {bad!r}")):
+        tf_topk.ExchangeConfig(density=0.01, decoupled_step_scale=bad)
+    with pytest.raises(ValueError, match=re.escape(f"step_scale must be a finite number > 0, got {bad!r}")):
+        DecoupledMomentumMemory(step_scale=bad)
+
+
 @pytest.mark.parametrize("shape", [(97, 97), (96, 97), (128, 100), (4099,), (1000, 97), (50257, 4), (4, 50257),
                                    (3, 3, 64, 97), (64, 64), (4096,)])
 def test_every_entry_of_any_shape_moves_each_step(shape):
@@ -461,7 +494,7 @@ def test_every_entry_of_any_shape_moves_each_step(shape):
     optimizer.apply([tf.constant(gradient)], [variable])
     moved = np.abs(variable.numpy())
     assert np.mean(moved != 0) >= 0.9
-    np.testing.assert_allclose(moved[moved != 0], 0.01, rtol=1e-5)  # the sign step, at the learning rate
+    np.testing.assert_allclose(moved[moved != 0], STEP_SCALE * 0.01, rtol=1e-5)  # the sign step
 
 
 def small_model_variables():

@@ -31,6 +31,7 @@ from pairwise import cell_id, pairwise  # noqa: E402
 from tf_topk.decoupled_momentum import DEFAULT_DECAY  # noqa: E402
 
 LR, WEIGHT_DECAY, DENSITY, STEPS, REPLICAS = 0.01, 0.1, 1 / 128, 6, 2
+STEP_SCALE = 2.0  # the sign step in learning rates: ExchangeConfig.decoupled_step_scale's default
 KERNEL, BIAS = (64, 48), (8,)  # the kernel is sparsified (3,072 entries: k = 24, one 64x48 block), the bias dense
 OPTIONS = {
     "loss_scale_factor": (None, 64.0),
@@ -79,7 +80,7 @@ class Reference:
     """The cell's AdamW with decoupled momentum on the kernel, in float64, Keras's order per `apply`:
     unscale, accumulate (an update every `gradient_accumulation_steps` micro-steps, of their mean), clip
     each replica's gradient, decay both variables, then the kernel's DeMo step (each replica's momentum
-    of the block DCT, its exact top-k sent, the sign of the decoded sum at the learning rate) and the
+    of the block DCT, its exact top-k sent, the sign of the decoded sum at STEP_SCALE learning rates) and the
     bias's AdamW on the sum, then the EMA of the weights (the first update's weights where Keras's
     iterations are 0), then the constraint (non-negative kernel)."""
 
@@ -122,7 +123,7 @@ class Reference:
                 self.momenta[replica] = (accumulated - sent).reshape(KERNEL)
             decoded = scipy.fft.idctn(total.reshape(KERNEL), norm="ortho")
             self.ties = np.abs(decoded) < 1e-6 * np.abs(decoded).max()
-            self.weights[0] -= LR * np.sign(decoded)
+            self.weights[0] -= STEP_SCALE * LR * np.sign(decoded)
             g = sum(replica[1] for replica in grads)
             t = self.keras_iterations() + 1
             self.adam_m += (g - self.adam_m) * 0.1

@@ -166,7 +166,7 @@ def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
     clone = TopKOptimizer.from_config(json.loads(json.dumps(written)))
     assert clone.exchange_config == optimizer.exchange_config and clone.get_config() == written
     # An earlier version's config: flat keys, no momentum_masking (it masked, and resumes masking), no
-    # density_warmup_steps (it ran none, and resumes without one).
+    # density_warmup_steps (it ran none, and resumes without one), no decoupled_step_scale (1.0).
     old = {"name": "TopKOptimizer", "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
            "clipvalue": None, "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
            "jit_compile": False, "is_legacy_optimizer": False,
@@ -178,7 +178,7 @@ def test_exchange_config_round_trips_and_an_earlier_versions_config_loads():
     assert loaded.exchange_config == ExchangeConfig(density=[(0, 0.1), (4, 0.01)], method="exact", min_size=1000,
                                                     momentum=0.9, local_clipnorm=5.0, exchange_mode="allreduce",
                                                     momentum_masking=True, density_warmup_steps=0,
-                                                    decoupled_momentum=False)
+                                                    decoupled_momentum=False, decoupled_step_scale=1.0)
     rewritten = loaded.get_config()
     assert {name: rewritten[name] for name in old} == old and rewritten["momentum_masking"] is True
 

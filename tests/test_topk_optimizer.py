@@ -213,8 +213,8 @@ def test_exchange_config_round_trips_through_get_config_json_and_from_config():
 def test_config_written_by_an_earlier_version_still_loads(new_keys):
     """Earlier versions wrote each option as a flat key (no momentum_masking: they
     masked, and resume masking; no density_warmup_steps: they ran no warm-up, and
-    resume without one), and before that also without exchange_mode and
-    sparse_updates."""
+    resume without one; no decoupled_step_scale: a sign step of the rate), and
+    before that also without exchange_mode and sparse_updates."""
     old = {"name": "topk_optimizer", "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
            "clipvalue": None, "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
            "loss_scale_factor": None, "gradient_accumulation_steps": None,
@@ -227,7 +227,7 @@ def test_config_written_by_an_earlier_version_still_loads(new_keys):
     assert opt.exchange_config == ExchangeConfig(
         density=[(0, 0.1), (10, 0.01)], method="exact", min_size=500, bucket_bytes=4096, momentum=0.9,
         local_clipnorm=5.0, exchange_mode="auto" if new_keys else "allgather", sparse_output=new_keys,
-        momentum_masking=True, density_warmup_steps=0, decoupled_momentum=False)
+        momentum_masking=True, density_warmup_steps=0, decoupled_momentum=False, decoupled_step_scale=1.0)
     assert opt.momentum_correction and opt.sparse_updates is new_keys and opt.density == [(0, 0.1), (10, 0.01)]
     written = opt.get_config()
     assert {name: written[name] for name in old} == old and written["momentum_masking"] is True

@@ -128,6 +128,17 @@ def check_decoupled_momentum(value):
         raise ValueError(f"decoupled_momentum must be 'auto', True or False, got {value!r}")
 
 
+# Decoupled momentum's sign step in learning rates (ExchangeConfig.decoupled_step_scale).
+DEFAULT_STEP_SCALE = 2.0
+
+
+def check_step_scale(scale, name="decoupled_step_scale"):
+    """A sign step's size in learning rates: a finite number above 0, as a float."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {scale!r}")
+    return float(scale)
+
+
 def check_density_warmup_steps(steps):
     if steps != "auto" and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 0):
         raise ValueError(f"density_warmup_steps must be 'auto' or an int >= 0, got {steps!r}")
@@ -267,6 +278,12 @@ class ExchangeConfig:
         from the config alone, which has no inner optimizer, takes it as
         False. Not with momentum correction, sparse_output, an adaptive
         density or "dense_bf16" (the inner optimizer's 16-bit baseline).
+      decoupled_step_scale: decoupled momentum's step in learning rates:
+        each sparsified entry moves by decoupled_step_scale times the inner
+        optimizer's rate a step (2.0, the default, measured better than DeMo's
+        1.0 on both texts, clipped or not: benchmarks/RESULTS.md, "AdamW on
+        every path"). Saved with the config; one written before it existed
+        loads with 1.0, the step it ran.
       rescale_residuals: plain error feedback whose residual follows the
         learning rate: before each step it is multiplied by the previous
         step's rate over this step's, so an entry sent late moves its
@@ -304,12 +321,14 @@ class ExchangeConfig:
     selection_scope: str = "variable"
     density_warmup_steps: Any = "auto"
     decoupled_momentum: Any = "auto"
+    decoupled_step_scale: float = DEFAULT_STEP_SCALE
     rescale_residuals: bool = False
     link: Optional[str] = None
 
     def __post_init__(self):
         check_method(self.method)
         check_decoupled_momentum(self.decoupled_momentum)
+        object.__setattr__(self, "decoupled_step_scale", check_step_scale(self.decoupled_step_scale))
         if self.decoupled_momentum is True:
             _check_decoupled_momentum_options(self)
         check_density_warmup_steps(self.density_warmup_steps)
@@ -450,6 +469,7 @@ class ExchangeConfig:
         config.setdefault("density_warmup_steps", 0)
         config.setdefault("decoupled_momentum", False)  # written before it existed: the method it ran
         config.setdefault("rescale_residuals", False)
+        config.setdefault("decoupled_step_scale", 1.0)  # written before it existed: the sign step it ran
         config.setdefault("link", None)
         if isinstance(config.get("density"), list):  # JSON turns (step, density) pairs into lists
             config["density"] = [tuple(pair) if isinstance(pair, list) else pair for pair in config["density"]]

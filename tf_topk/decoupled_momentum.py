@@ -10,7 +10,7 @@ is (Signum).
 
     m <- beta * m + DCT(g)                  (per replica, in the transform's space)
     send the top-k of m;  m <- m - sent     (the exchange's error feedback, on m)
-    variable -= lr * (sign(IDCT(sum of every replica's sent)) + weight_decay * variable)
+    variable -= lr * (step_scale * sign(IDCT(sum of every replica's sent)) + weight_decay * variable)
 
 The transform is a 2-D DCT-II (orthonormal) over blocks of at most `chunk` x `chunk` entries of the
 variable seen as a matrix (its last axis the columns, the others the rows), each side the largest
@@ -19,6 +19,11 @@ exchange selects from. An embedding table's rows are unrelated tokens (or positi
 are one row high: a 2-D block would move a row by the sign of its neighbours' momentum. The DCT is
 linear, so the momentum can live in the transformed space, and the sum over replicas of what they
 sent is the transform of the sum.
+
+Why a step of twice the learning rate (`step_scale=2.0`): at AdamW's own rate the sign step lagged
+dense AdamW, most where AdamW's options steady dense (`global_clipnorm=1.0`); twice the rate halved
+that gap on both texts and measured better on every seed, clipped or not (benchmarks/RESULTS.md,
+"AdamW on every path").
 """
 
 import functools
@@ -27,7 +32,7 @@ import math
 import numpy as np
 import tensorflow as tf
 
-from tf_topk.config import check_momentum
+from tf_topk.config import DEFAULT_STEP_SCALE, check_momentum, check_step_scale
 from tf_topk.memory import Compensation, ErrorFeedbackMemory
 
 DEFAULT_CHUNK = 64
@@ -175,6 +180,9 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
       decay: beta, the momentum's decay (DeMo's 0.999).
       chunk: the largest block side of the DCT (DeMo's 64).
       sign: apply the sign of the decoded sum (DeMo's default) rather than the sum itself.
+      step_scale: the step in units of the inner optimizer's learning rate: each sparsified entry
+        moves by step_scale * learning_rate a step (with the sign), plus the weight decay's own step.
+        1.0 is DeMo's sign step at the inner rate; the default 2.0 measured better (module docstring).
       embedding_rows_apart: an embedding table's (`is_embedding_table`) blocks are one row high, so
         that no row moves by its neighbours' momentum; False: 2-D blocks for every variable, as DeMo.
     """
@@ -182,11 +190,13 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
     applies_update = True
     method = "decoupled momentum"
 
-    def __init__(self, decay=DEFAULT_DECAY, chunk=DEFAULT_CHUNK, sign=True, embedding_rows_apart=True):
+    def __init__(self, decay=DEFAULT_DECAY, chunk=DEFAULT_CHUNK, sign=True, embedding_rows_apart=True,
+                 step_scale=DEFAULT_STEP_SCALE):
         super().__init__()
         self.decay = check_momentum(decay)
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+        self.step_scale = check_step_scale(step_scale, "step_scale")
         if not isinstance(embedding_rows_apart, bool):
             raise ValueError(f"embedding_rows_apart must be True or False, got {embedding_rows_apart!r}")
         self.chunk = chunk
@@ -205,7 +215,8 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
                 f"(decay {self.decay:g}) in DCT blocks of up to {self.chunk}x{self.chunk}"
                 f"{' (an embedding table: 1x' + str(self.chunk) + ')' if self.embedding_rows_apart else ''}"
                 ", its top-k sent, the sign "
-                f"of their sum applied at the learning rate{'' if self.sign else ' (the sum itself: sign=False)'}; "
+                f"of their sum applied at {self.step_scale:g}x the learning rate"
+                f"{'' if self.sign else ' (the sum itself: sign=False)'}; "
                 "decoupled_momentum=False for top-k in front of the inner optimizer")
 
     def compensate(self, slot, grad):
@@ -215,5 +226,5 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
 
     def apply_sparse(self, slot, summed, keep):
         decoded = self.transforms[slot].inverse(tf.cast(tf.reshape(summed, [-1]), self.residuals[slot].dtype))
-        direction = tf.sign(decoded) if self.sign else decoded
+        direction = self.step_scale * (tf.sign(decoded) if self.sign else decoded)
         return tf.reshape(tf.cast(direction, summed.dtype), tf.shape(summed))

@@ -38,13 +38,14 @@ DEFAULT_METHODS = (
 def memory_for(config, residuals=None):
     """The memory an ExchangeConfig asks for: momentum correction with
     `momentum` (Adam's with `beta_2`), DeMo's decoupled momentum
-    (`decoupled_momentum=True`; "auto" is the Keras wrappers' to resolve,
+    (`decoupled_momentum=True`, its step `decoupled_step_scale`; "auto" is
+    the Keras wrappers' to resolve,
     and off here), else error feedback (with ready-made `residuals`, if
     given), else none."""
     if config.decoupled_momentum is True:
         if residuals is not None:
             raise ValueError("residuals=... is for plain error feedback; decoupled momentum makes its own state")
-        return DecoupledMomentumMemory()
+        return DecoupledMomentumMemory(step_scale=config.decoupled_step_scale)
     if config.momentum is not None:
         if residuals is not None:
             raise ValueError("residuals=... is for plain error feedback; with momentum the memory makes its state")
