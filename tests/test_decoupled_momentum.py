@@ -454,8 +454,8 @@ def test_a_config_written_before_the_option_loads_as_the_method_it_ran():
 
 @pytest.mark.parametrize("scale", [None, 1.0, 3.0])
 def test_the_sign_step_is_decoupled_step_scale_learning_rates_and_is_saved(scale):
-    """Each sparsified entry moves by decoupled_step_scale times the rate (2.0 unless given); the
-    scale is saved with the config, and a config written before it existed loads with DeMo's 1.0, the
+    """Each sparsified entry moves by decoupled_step_scale times the rate (2.0 unless given), and the
+    chief's line says so; the scale is saved with the config, and a config written before it existed loads with DeMo's 1.0, the
     step it ran."""
     given = {} if scale is None else {"decoupled_step_scale": scale}
     config = tf_topk.ExchangeConfig(density=0.01, density_warmup_steps=0, min_size=1, **given)
@@ -466,6 +466,7 @@ def test_the_sign_step_is_decoupled_step_scale_learning_rates_and_is_saved(scale
     moved = np.abs(variable.numpy())
     expected = STEP_SCALE if scale is None else scale
     np.testing.assert_allclose(moved[moved != 0], expected * 0.01, rtol=1e-5)
+    assert f"applied at {expected:g}x the learning rate" in optimizer.exchange.memory.describe()  # the chief's line
     written = optimizer.get_config()
     assert tf_topk.TopKOptimizer.from_config(written).exchange_config.decoupled_step_scale == expected
     del written["decoupled_step_scale"]
@@ -496,6 +497,19 @@ def test_every_entry_of_any_shape_moves_each_step(shape):
     assert np.mean(moved != 0) >= 0.9
     np.testing.assert_allclose(moved[moved != 0], STEP_SCALE * 0.01, rtol=1e-5)  # the sign step
 
+
+
+@pytest.mark.parametrize("shape", [(50257, 4), (1000, 97), (64, 64)])
+def test_an_embedding_tables_entries_move_each_step_in_2d_blocks(shape):
+    """The coverage an embedding table gets with `embedding_rows_apart=False` (DeMo's 2-D blocks): at least
+    90% of its entries a step at 0.01, as a kernel's; rows apart, the default, measured more accurate and
+    moves only the rows a coefficient of their own was sent for (benchmarks/dct_coverage.py)."""
+    table = keras.Variable(np.zeros(shape, np.float32), name="embeddings")
+    optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(0.01, weight_decay=0.0), density=0.01,
+                                      density_warmup_steps=0, min_size=1,
+                                      memory=DecoupledMomentumMemory(embedding_rows_apart=False))
+    optimizer.apply([tf.constant(np.random.default_rng(0).standard_normal(shape).astype(np.float32))], [table])
+    assert np.mean(table.numpy() != 0) >= 0.9
 
 def small_model_variables():
     return [keras.Variable(np.zeros((64, 128), np.float32), name="kernel"),

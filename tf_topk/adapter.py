@@ -234,8 +234,8 @@ def check_decoupled_momentum(inner_optimizer, adam_classes, keras_name, exchange
     kind = type(inner_optimizer).__name__
     if not is_adam(inner_optimizer, adam_classes):
         raise ValueError(f"decoupled_momentum=True needs a {keras_name}.optimizers.Adam or AdamW as inner "
-                         f"optimizer (its update of the sparsified variables is replaced by a sign step at its "
-                         f"learning rate), got {kind}")
+                         f"optimizer (its update of the sparsified variables is replaced by a sign step scaled "
+                         f"by its learning rate), got {kind}")
     if getattr(inner_optimizer, "amsgrad", False):
         raise ValueError(f"decoupled_momentum=True with {kind} applies the sign of its own momentum, which "
                          "AMSGrad's running maximum would not act on: use amsgrad=False, or decoupled_momentum=False")

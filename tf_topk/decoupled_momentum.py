@@ -216,7 +216,7 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
                 f"{' (an embedding table: 1x' + str(self.chunk) + ')' if self.embedding_rows_apart else ''}"
                 ", its top-k sent, the sign "
                 f"of their sum applied at {self.step_scale:g}x the learning rate"
-                f"{'' if self.sign else ' (the sum itself: sign=False)'}; "
+                f"{'' if self.sign else ' (the sum itself: sign=False)'} (ExchangeConfig's decoupled_step_scale); "
                 "decoupled_momentum=False for top-k in front of the inner optimizer")
 
     def compensate(self, slot, grad):

@@ -212,8 +212,9 @@ class TopKOptimizer(TopKWrapper, keras.optimizers.Optimizer):
         (`tf_topk.decoupled_momentum`): each replica keeps its own momentum
         (decay 0.999) in the space of a DCT over blocks of up to 64x64
         entries, sends its top-k coefficients and keeps the rest, and every
-        sparsified entry moves by the learning rate times the sign of the
-        decoded sum (plus AdamW's decoupled weight decay); the dense-path
+        sparsified entry moves by twice the learning rate times the sign of
+        the decoded sum (`ExchangeConfig(decoupled_step_scale=...)`, 2.0
+        by default; plus AdamW's decoupled weight decay); the dense-path
         variables keep the inner Adam. The inner optimizer's options act
         as they do on its own update (the exchange runs inside its `apply`):
         loss scaling, clipnorm, clipvalue, global_clipnorm and gradient
