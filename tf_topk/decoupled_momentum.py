@@ -5,8 +5,8 @@ replica applies the sign of the gathered components.
 Why a transform: a momentum's energy sits in few low-frequency components of each block, so k
 coefficients decode into a direction for every entry of the variable, where k entries of the raw
 momentum move k entries. Why the sign: the decoded sum's magnitude follows how many components were
-sent, not the step the entry needs; the sign makes the step lr per entry, as Adam's update roughly
-is (Signum).
+sent, not the step the entry needs; the sign makes the step the same for every entry (a multiple
+of lr), as Adam's update roughly is (Signum).
 
     m <- beta * m + DCT(g)                  (per replica, in the transform's space)
     send the top-k of m;  m <- m - sent     (the exchange's error feedback, on m)
