@@ -473,6 +473,24 @@ def test_the_sign_step_is_decoupled_step_scale_learning_rates_and_is_saved(scale
     assert tf_topk.TopKOptimizer.from_config(written).exchange_config.decoupled_step_scale == 1.0
 
 
+def test_a_subclass_that_hands_the_decoded_sum_to_the_inner_optimizer_hands_it_unscaled():
+    """The step is the memory's own only where it applies the update (`applies_update`): a subclass whose
+    decoded sum becomes the inner optimizer's gradient gets it as decoded, whatever step_scale says."""
+
+    class ThroughInner(DecoupledMomentumMemory):
+        applies_update = False
+
+    summed = tf.constant(np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32))
+    directions = {}
+    for memory in (DecoupledMomentumMemory(step_scale=3.0, sign=False), ThroughInner(step_scale=3.0, sign=False)):
+        memory.build([keras.Variable(np.zeros((64, 64), np.float32), name="kernel")],
+                     tf_topk.memory.make_state_variable)
+        directions[type(memory).__name__] = memory.apply_sparse(0, summed, tf.constant(True)).numpy()
+    np.testing.assert_allclose(directions["DecoupledMomentumMemory"], 3.0 * directions["ThroughInner"], rtol=1e-6)
+    decoded = BlockDCT((64, 64)).inverse(tf.reshape(summed, [-1])).numpy().reshape(64, 64)
+    np.testing.assert_allclose(directions["ThroughInner"], decoded, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), True, "2"])
 def test_a_bad_step_scale_is_refused_by_name(bad):
     with pytest.raises(ValueError, match=re.escape(f"decoupled_step_scale must be a finite number > 0, got {bad!r}")):

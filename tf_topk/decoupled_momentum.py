@@ -181,7 +181,8 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
       chunk: the largest block side of the DCT (DeMo's 64).
       sign: apply the sign of the decoded sum (DeMo's default) rather than the sum itself.
       step_scale: the step in units of the inner optimizer's learning rate: each sparsified entry
-        moves by step_scale * learning_rate a step (with the sign), plus the weight decay's own step.
+        moves by step_scale * learning_rate a step (with the sign), plus the weight decay's own step
+        (a subclass whose decoded sum goes to the inner optimizer, `applies_update` False, ignores it).
         1.0 is DeMo's sign step at the inner rate; the default 2.0 measured better (module docstring).
       embedding_rows_apart: an embedding table's (`is_embedding_table`) blocks are one row high, so
         that no row moves by its neighbours' momentum; False: 2-D blocks for every variable, as DeMo.
@@ -226,5 +227,8 @@ class DecoupledMomentumMemory(ErrorFeedbackMemory):
 
     def apply_sparse(self, slot, summed, keep):
         decoded = self.transforms[slot].inverse(tf.cast(tf.reshape(summed, [-1]), self.residuals[slot].dtype))
-        direction = self.step_scale * (tf.sign(decoded) if self.sign else decoded)
+        # The step is the memory's own only where it applies the update; a subclass that hands the decoded
+        # sum to the inner optimizer as a gradient (applies_update False) hands it unscaled.
+        scale = self.step_scale if self.applies_update else 1.0
+        direction = scale * (tf.sign(decoded) if self.sign else decoded)
         return tf.reshape(tf.cast(direction, summed.dtype), tf.shape(summed))

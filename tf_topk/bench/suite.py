@@ -141,7 +141,7 @@ def _dct_error_feedback():
             return (f"tf_topk: error feedback in DCT blocks of up to {self.chunk}x{self.chunk} (decay {self.decay:g}), "
                     "the decoded sum the inner optimizer's gradient")
 
-    return DCTErrorFeedback(sign=False, step_scale=1.0)  # the decoded sum itself, as the gradient
+    return DCTErrorFeedback(sign=False)  # the decoded sum itself, as the gradient (applies_update: unscaled)
 
 
 CONFIGS = {
