@@ -73,3 +73,11 @@ def train_variable(strategy, make_optimizer, gradients, replicas, entries, steps
         apply_step(optimizer, variable, np.stack([gradients(step, r) for r in range(replicas)]), strategy)
         after.append(variable.numpy().copy())
     return after
+
+
+def summed_over_replicas(strategy, variable):
+    """A per-replica variable's copies summed (numpy), or its value on one device (`strategy` None):
+    what the replicas hold together, e.g. every residual's share of what was not yet sent."""
+    if strategy is None:
+        return variable.numpy()
+    return sum(local.numpy() for local in strategy.experimental_local_results(variable))

@@ -212,7 +212,7 @@ def test_exchange_modes_name_the_configurations_and_reach_the_workers(capsys):
     assert (row["density"], row["exchange_mode"]) == (0.01, "allreduce")
     with pytest.raises(SystemExit):
         e2e.main(["--exchange-modes", "allgather,ring", "--no-netns", "--bandwidth", "none"])
-    assert "exchange modes must be among auto,allgather,allreduce,dense_bf16,allgather_int8, got 'allgather,ring'" in \
+    assert "exchange modes must be among auto,allgather,allreduce,dense_bf16,allgather_int8,allgather_chunk, got 'allgather,ring'" in \
         capsys.readouterr().err
 
 

@@ -45,7 +45,7 @@ def precision(api, policy=None, floatx=None):
         module.backend.set_floatx(floatx_before)
 
 
-def fit(api, replicas):
+def fit(api, replicas, exchange_mode="auto"):
     """Three steps of a 64-128-10 MLP (its 64x128 kernel sparsified) under AdamW at density 0.01;
     (the losses, the TopKOptimizer, the model's first kernel)."""
     module = keras if api == "keras" else tf_keras
@@ -56,7 +56,8 @@ def fit(api, replicas):
     with strategy.scope():
         model = module.Sequential([module.Input((64,)), module.layers.Dense(128, activation="relu"),
                                    module.layers.Dense(10)])
-        optimizer = wrapper(module.optimizers.AdamW(1e-3), density=0.01, density_warmup_steps=0, min_size=1000)
+        optimizer = wrapper(module.optimizers.AdamW(1e-3), density=0.01, density_warmup_steps=0, min_size=1000,
+                            exchange_mode=exchange_mode)
         model.compile(optimizer, module.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
     x, y = rng.random((96, 64)).astype(np.float32), rng.integers(0, 10, 96)
@@ -82,3 +83,15 @@ def test_decoupled_momentum_trains_under_every_precision(api, replicas, setting)
     assert after.dtype == np.dtype(setting.get("floatx", "float32"))  # under a mixed policy, float32 variables
     if setting.get("floatx") == "float64":
         assert topk.exchange.memory.residuals[0].dtype == tf.float64
+
+
+@pytest.mark.parametrize("api", ["keras", "tf_keras"])
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_the_chunk_route_trains_under_mixed_precision(api, replicas):
+    """exchange_mode="allgather_chunk" under the mixed_float16 policy (Keras's LossScaleOptimizer outside the
+    wrapper), on one device and on two replicas: finite losses, every entry of the kernel moved."""
+    with precision(api, policy="mixed_float16"):
+        losses, topk, before, after = fit(api, replicas, exchange_mode="allgather_chunk")
+    assert all(np.isfinite(losses))
+    assert topk.compression_stats()["exchange_mode"] == 5.0
+    assert np.mean(np.abs(after.astype(np.float64) - before.astype(np.float64)) > 0) > 0.9

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from selection_reference import on_grid
+from selection_reference import chunk_sent, on_grid
 from test_exchange_allreduce import top_k_indices
 
 REPLICA_COUNTS = (1, 2, 3)
@@ -135,6 +135,9 @@ class Reference:
       allgather_int8: as allgather, each variable's sent values rounded to
         their 8-bit grid (`on_grid`; the rounding error stays in the
         residual), on every replica count;
+      allgather_chunk: the top entries of every chunk, rounded on the
+        chunk's 2-bit grid (`chunk_sent`; the rounding error stays in the
+        residual), on every replica count;
       dense_bf16: every entry rounded to bfloat16 (the rounding error
         stays in the residual), summed in bfloat16 (`magnitudes`: the sum of
         the rounded contributions' magnitudes, which bounds that sum's error).
@@ -162,7 +165,7 @@ class Reference:
         self.magnitudes = {}
 
     def bucket_mode(self, bucket):
-        if self.mode in ("dense_bf16", "allgather_int8"):
+        if self.mode in ("dense_bf16", "allgather_int8", "allgather_chunk"):
             return self.mode
         if self.replicas == 1 or self.mode == "allgather":
             return "allgather"
@@ -225,6 +228,8 @@ class Reference:
                     sent = np.where(mask, to_bfloat16(acc) if mode == "dense_bf16" else acc, np.float32(0))
                     if mode == "allgather_int8":
                         sent = on_grid(sent)
+                    elif mode == "allgather_chunk":
+                        sent = chunk_sent(acc, k)
                     total += sent
                     magnitude += np.abs(sent)
                     self.residuals[r][v] = acc - sent
@@ -288,6 +293,12 @@ def cells():
             add(replicas, "allgather_int8", sparse_output, "ef", "one_bucket")
         add(replicas, "allgather_int8", False, "nesterov", "per_variable")
         add(replicas, "allgather_int8", True, "momentum", "per_variable")
+    # Each chunk's top entries in 14 bits: every replica count, both outputs, the three memories, both layouts.
+    for replicas in REPLICA_COUNTS:
+        for sparse_output in (False, True):
+            add(replicas, "allgather_chunk", sparse_output, "ef", "one_bucket")
+        add(replicas, "allgather_chunk", False, "nesterov", "per_variable")
+        add(replicas, "allgather_chunk", True, "momentum", "per_variable")
     # One selection over the bucket: all_gather, dense output, every memory;
     # one variable per bucket is k per variable again.
     for replicas in REPLICA_COUNTS:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from logical_cpus import mirrored_on_cpus, split_cpu, strategy_for, train_variable
+from logical_cpus import mirrored_on_cpus, split_cpu, strategy_for, summed_over_replicas, train_variable
 from selection_reference import on_grid
 
 split_cpu()  # before TensorFlow starts: the two-replica tests skip without it
@@ -66,9 +66,7 @@ def test_the_update_is_the_numpy_reference_of_rounded_values(replicas):
     np.testing.assert_allclose(trained, reference(replicas, k), rtol=0, atol=1e-6)
     # The rounding did something, and it stayed in the residuals: nothing computed was lost.
     assert not np.allclose(reference(replicas, k), reference(replicas, k, rounded=False), atol=1e-4)
-    residual = optimizer.residuals[0]
-    kept = sum(local.numpy() for local in strategy.experimental_local_results(residual)) if strategy \
-        else residual.numpy()
+    kept = summed_over_replicas(strategy, optimizer.residuals[0])
     total = sum(gradient(step, r) for step in range(STEPS) for r in range(replicas))
     np.testing.assert_allclose(kept - trained, total, atol=1e-4)
 

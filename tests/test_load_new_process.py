@@ -140,6 +140,23 @@ def saved(tmp_path_factory):
     model.save(path / "keras3_int8.keras")
     models["keras3_int8"] = dict(keras="keras", path=str(path / "keras3_int8.keras"), model=model)
 
+    # Each chunk's top entries in 14 bits (exchange_mode="allgather_chunk"), in Keras 3 and in tf_keras.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.Dense(2)])
+    model.compile(optimizer=tf_topk.TopKOptimizer(keras.optimizers.SGD(0.1), density=0.25, min_size=100,
+                                                  exchange_mode="allgather_chunk"), loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(path / "keras3_chunk.keras")
+    models["keras3_chunk"] = dict(keras="keras", path=str(path / "keras3_chunk.keras"), model=model)
+    tf_keras.utils.set_random_seed(0)
+    model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16), tf_keras.layers.Dense(2)])
+    model.compile(optimizer=tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.25,
+                                                           min_size=100, exchange_mode="allgather_chunk"),
+                  loss="mse")
+    model.fit(x, y, batch_size=16, verbose=0)
+    model.save(path / "tf_keras_chunk.keras")
+    models["tf_keras_chunk"] = dict(keras="tf_keras", path=str(path / "tf_keras_chunk.keras"), model=model)
+
     tf_keras.utils.set_random_seed(0)
     model = tf_keras.Sequential([tf_keras.Input((8,)), tf_keras.layers.Dense(16), tf_keras.layers.Dense(2)])
     model.compile(optimizer=tf_topk.tf_keras.TopKOptimizer(tf_keras.optimizers.SGD(0.1), density=0.25,

@@ -34,6 +34,7 @@ TWO_WORKER_RUNS = {
     "dense_momentum": f"--dense {SGD_MOMENTUM}",
     "mc": f"--density 0.001 --momentum-correction --warmup-epochs 2 {SGD_MOMENTUM}",
     "int8": "--density 0.02 --density-warmup-steps 100 --exchange-mode allgather_int8",
+    "chunk": "--density 0.04 --density-warmup-steps 100 --exchange-mode allgather_chunk",
     "inside_warmup": "--density 0.01 --epochs 1",  # 45 steps of a 400-step warm-up: said by the chief only
     # Last: the mixed_float16 policy is global (each run sets its own).
     "mixed": "--density 0.01 --density-warmup-steps 20 --mixed-precision --epochs 3",
@@ -111,6 +112,20 @@ def test_pairs_in_32_bit_words_cross_real_workers_with_identical_weights(two_wor
     assert reports[0]["compression"]["exchange_mode"] == 4.0 and reports[0]["skipped_steps"] == 0
     assert reports[0]["compression"]["selected"] > 1.9 * topk[0]["compression"]["selected"]
     assert reports[0]["bytes_per_step"] < 1.1 * topk[0]["bytes_per_step"]
+    assert reports[0]["test_accuracy"] >= dense[0]["test_accuracy"] - 0.01, (reports[0], dense[0])
+
+
+def test_each_chunks_top_entries_in_14_bits_cross_real_workers_with_identical_weights(two_workers):
+    """exchange_mode="allgather_chunk" at four times top-k's density: the bit fields cross the collective
+    runtime between processes and decode to the same sum on both workers; four times the entries cost less
+    than top-k's 8-byte pairs, and the accuracy is dense's."""
+    reports, weights = two_workers["chunk"]
+    topk, _ = two_workers["topk"]
+    dense, _ = two_workers["dense"]
+    assert_identical(weights)
+    assert reports[0]["compression"]["exchange_mode"] == 5.0 and reports[0]["skipped_steps"] == 0
+    assert reports[0]["compression"]["selected"] > 3.5 * topk[0]["compression"]["selected"]
+    assert reports[0]["bytes_per_step"] < topk[0]["bytes_per_step"]
     assert reports[0]["test_accuracy"] >= dense[0]["test_accuracy"] - 0.01, (reports[0], dense[0])
 
 

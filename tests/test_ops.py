@@ -279,3 +279,81 @@ def test_op_determinism_cpu_runs_and_gpu_refuses(tmp_path):
     assert lines[0] == "cpu True"
     if len(lines) > 1:
         assert lines[1] == "gpu refused True"
+
+
+def chunk_reference(accumulated, k, chunk):
+    """(values, indices, remaining) of the chunk-wise selection in numpy: per chunk its k largest finite
+    non-zero magnitudes, largest first, ties to the earlier index; spare slots 0 at the chunk's start."""
+    flat = np.asarray(accumulated).reshape(-1)
+    values, indices, remaining = [], [], flat.copy()
+    for start in range(0, flat.size, chunk):
+        part = flat[start:start + chunk]
+        magnitude = np.abs(part.astype(np.float64))
+        eligible = [i for i in np.lexsort((np.arange(part.size), -magnitude))
+                    if np.isfinite(magnitude[i]) and magnitude[i] != 0][:k]
+        values += [part[i] for i in eligible] + [0] * (k - len(eligible))
+        indices += [start + i for i in eligible] + [start] * (k - len(eligible))
+        remaining[[start + i for i in eligible]] = 0
+    return np.array(values, flat.dtype), np.array(indices, np.int32), remaining
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("size, k, chunk", [(9_000, 30, 4096), (4096, 1, 4096), (10, 2, 3), (100, 100, 100)])
+def test_error_feedback_chunk_topk_matches_numpy(dtype, size, k, chunk):
+    rng = np.random.default_rng(size + k)
+    gradient = tf.constant(rng.normal(size=size), dtype)
+    residual_dtype = tf.float64 if dtype == tf.float64 else tf.float32
+    residual = tf.constant(rng.normal(size=size) * (rng.random(size) < 0.5), residual_dtype)
+    out = ops.error_feedback_chunk_topk(gradient, residual, k, chunk)
+    accumulated = tf.cast(gradient, residual_dtype).numpy() + residual.numpy()
+    values, indices, remaining = chunk_reference(accumulated, k, chunk)
+    assert out.values.shape == out.indices.shape == [-(-size // chunk) * k]  # static, k a Python int
+    np.testing.assert_array_equal(out.indices.numpy(), indices)
+    np.testing.assert_array_equal(out.values.numpy(), values)
+    np.testing.assert_array_equal(out.remaining.numpy(), remaining)
+    np.testing.assert_allclose(out.stats.numpy(), [np.sum(accumulated.astype(np.float64) ** 2),
+                                                   np.sum(remaining.astype(np.float64) ** 2), 0], rtol=1e-9,
+                               atol=1e-9)
+
+
+def test_error_feedback_chunk_topk_spare_slots_ties_and_non_finite_entries():
+    gradient = tf.constant([0.0, 0.0, 3.0, np.nan, -3.0, 1.0, np.inf, 0.0, 0.0], tf.float32)
+    out = ops.error_feedback_chunk_topk(gradient, tf.zeros([9]), tf.constant(2), 3)
+    # Chunk 0: one non-zero (a spare slot at its start); chunk 1: NaN never selected, the tie to the earlier
+    # index; chunk 2: the infinity never selected, nothing else qualifies.
+    assert out.values.numpy().tolist() == [3.0, 0.0, -3.0, 1.0, 0.0, 0.0]
+    assert out.indices.numpy().tolist() == [2, 0, 4, 5, 6, 6]
+    assert out.stats.numpy()[2] == 2  # the NaN and the infinity, left in remaining
+    remaining = out.remaining.numpy()
+    assert np.isnan(remaining[3]) and remaining[6] == np.inf and remaining[[2, 4, 5]].tolist() == [0, 0, 0]
+
+
+def test_error_feedback_chunk_topk_refuses_bad_arguments_by_name():
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be in \[1, chunk=4\], got k = 5"):
+        ops.error_feedback_chunk_topk(tf.zeros([8]), tf.zeros([8]), 5, 4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"k must be in \[1, chunk=4\], got 0"):
+        ops.error_feedback_chunk_topk(tf.zeros([8]), tf.zeros([8]), tf.constant(0), 4)
+    with pytest.raises(ValueError, match=r"chunk must be an int >= 1, got 0"):
+        ops.error_feedback_chunk_topk(tf.zeros([8]), tf.zeros([8]), 1, 0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"residual must be float32 for a float16 gradient"):
+        ops.error_feedback_chunk_topk(tf.zeros([8], tf.float16), tf.zeros([8], tf.float16), 1, 4)
+
+
+@pytest.mark.parametrize("value_bits", [2, 3, 4, 8])
+def test_error_feedback_chunk_topk_rounds_as_the_chunk_route_sends(value_bits):
+    """With value_bits the selected values come back on their chunk's grid (the numpy reference of the
+    route), the rounding errors stay in remaining, and a slot rounded to 0 is spare."""
+    from selection_reference import chunk_sent
+
+    rng = np.random.default_rng(value_bits)
+    gradient = (rng.normal(size=9_000) * np.repeat([1.0, 1e-3, 30.0], [4096, 4096, 808])).astype(np.float32)
+    out = ops.error_feedback_chunk_topk(tf.constant(gradient), tf.zeros([9_000]), 30, 4096, value_bits=value_bits)
+    sent = np.zeros(9_000, np.float32)
+    np.add.at(sent, out.indices.numpy(), out.values.numpy())
+    np.testing.assert_array_equal(sent, chunk_sent(gradient, 90, value_bits))
+    np.testing.assert_allclose(out.remaining.numpy(), gradient - sent, rtol=0, atol=1e-6)
+    spare = out.values.numpy() == 0
+    assert np.all(out.indices.numpy()[spare] == np.repeat([0, 4096, 8192], 30)[spare])
+    np.testing.assert_allclose(out.stats.numpy()[1], np.sum((gradient - sent).astype(np.float64) ** 2), rtol=1e-6)
+    with pytest.raises(ValueError, match=r"value_bits must be one of \(0, 2, 3, 4, 8\), got 5"):
+        ops.error_feedback_chunk_topk(tf.constant(gradient), tf.zeros([9_000]), 30, 4096, value_bits=5)

@@ -140,7 +140,7 @@ def test_non_finite_step_is_skipped_without_touching_residuals_or_weights():
     (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), config=ExchangeConfig(sparse_output=True)),
      r"sparse_updates=True is available with Keras 3 .* not with tf_keras"),
     (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), exchange_mode="ring"),
-     r"exchange_mode must be one of \('auto', 'allgather', 'allreduce', 'dense_bf16', 'allgather_int8'\), got 'ring'"),
+     r"exchange_mode must be one of \('auto', 'allgather', 'allreduce', 'dense_bf16', 'allgather_int8', 'allgather_chunk'\), got 'ring'"),
     (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1), config=ExchangeConfig(), density=0.0),
      r"density must be in \(0, 1\], got 0.0"),
     (lambda: TopKOptimizer(tf_keras.optimizers.SGD(0.1, momentum=0.9), config=ExchangeConfig(momentum=0.8)),

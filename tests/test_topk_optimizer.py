@@ -172,7 +172,7 @@ def test_checkpoint_restores_residuals(tmp_path):
     (dict(min_size=0), r"min_size must be an int >= 1, got 0"),
     (dict(bucket_bytes=3), r"bucket_bytes must be None or an int >= 8, got 3"),
     (dict(exchange_mode="ring"),
-     r"exchange_mode must be one of \('auto', 'allgather', 'allreduce', 'dense_bf16', 'allgather_int8'\), got 'ring'"),
+     r"exchange_mode must be one of \('auto', 'allgather', 'allreduce', 'dense_bf16', 'allgather_int8', 'allgather_chunk'\), got 'ring'"),
     (dict(local_clipnorm=0.0), r"local_clipnorm must be None or a finite float > 0, got 0.0"),
     (dict(config=ExchangeConfig(density=0.01), density=2.0), r"density must be in \(0, 1\], got 2.0"),
 ])

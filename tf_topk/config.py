@@ -23,7 +23,7 @@ from tf_topk.schedule import AUTOPILOT, DensitySchedule, warmup_in_steps
 # all-reduce and stay exact. 4096 float32 entries are 16 KiB.
 DEFAULT_MIN_SIZE = 4096
 
-EXCHANGE_MODES = ("auto", "allgather", "allreduce", "dense_bf16", "allgather_int8")
+EXCHANGE_MODES = ("auto", "allgather", "allreduce", "dense_bf16", "allgather_int8", "allgather_chunk")
 SELECTION_SCOPES = ("variable", "bucket")
 
 # density not given (None): the autopilot measures the cluster and chooses the routes and the
@@ -47,7 +47,9 @@ DECOUPLED_UP_TO_DENSITY = 0.01
 # Both thresholds above are densities of 8-byte pairs (float32 value, int32 index): a route that packs a
 # pair in fewer bytes sends the same bytes at a higher density, and is held to the same thresholds by
 # its density of 8-byte pairs (`ExchangeConfig.density_in_pair_bytes`).
-PAIR_BYTES_SHARE = {"allgather_int8": 0.5}
+# The routes that round the values they send, and to what.
+ROUNDING_MODES = {"allgather_int8": "8 bits", "allgather_chunk": "a few bits on a per-chunk grid"}
+PAIR_BYTES_SHARE = {"allgather_int8": 0.5, "allgather_chunk": 14 / 64}  # 14: the chunk route's default slot bits
 
 
 def check_min_size(min_size):
@@ -239,7 +241,12 @@ class ExchangeConfig:
         or "allgather_int8" (all_gather of 4-byte pairs: values rounded to 8
         bits, the rounding error kept in the residuals, beside 24-bit
         indices, so twice the density for all_gather's bytes;
-        `routes.Int8AllGatherRoute`; buckets of at most 2**24 entries).
+        `routes.Int8AllGatherRoute`; buckets of at most 2**24 entries),
+        or "allgather_chunk" (the same share of every chunk of 4,096
+        entries, each sent in 14 bits: a 12-bit index in its chunk and a
+        2-bit value on the chunk's grid, the rounding error kept in the
+        residuals; about 4.5x all_gather's entries for its bytes;
+        `routes.ChunkAllGatherRoute`; variables of any size).
       sparse_output: hand sparsified gradients out as pairs.
       selection_scope: "variable" (default: k entries of each variable) or
         "bucket": one selection of the bucket's k (the sum of its variables'
@@ -344,6 +351,9 @@ class ExchangeConfig:
         if self.exchange_mode != "auto" and self.schedule.autopilot:
             raise ValueError(f"density='autopilot' chooses each bucket's route, so exchange_mode must be 'auto', "
                              f"got {self.exchange_mode!r}: leave density out for a fixed 0.001 on that route")
+        if self.exchange_mode == "allgather_chunk" and self.schedule.adaptive is not None:
+            raise ValueError("exchange_mode='allgather_chunk' selects a share of every chunk, and an adaptive density "
+                             "reads the whole variable's magnitude profile: pass a float density or a schedule")
         if self.momentum is not None:
             object.__setattr__(self, "momentum", check_momentum(self.momentum))
             if not self.error_feedback:
@@ -366,10 +376,11 @@ class ExchangeConfig:
             if self.schedule.adaptive is not None:
                 raise ValueError("an adaptive density cannot go with Adam's momentum correction (beta_2=...): "
                                  "pass a float density")
-            if self.exchange_mode == "allgather_int8":
-                raise ValueError("exchange_mode='allgather_int8' rounds what is sent to 8 bits, and Adam's momentum "
-                                 "correction (beta_2=...) sends every gradient entry exactly during its variance "
-                                 "warm-up: pass exchange_mode='allgather' or 'auto'")
+            if self.exchange_mode in ROUNDING_MODES:
+                raise ValueError(f"exchange_mode={self.exchange_mode!r} rounds what is sent to "
+                                 f"{ROUNDING_MODES[self.exchange_mode]}, and Adam's momentum correction (beta_2=...) "
+                                 "sends every gradient entry exactly during its variance warm-up: pass "
+                                 "exchange_mode='allgather' or 'auto'")
         if self.rescale_residuals:
             _check_rescale_residuals(self)
         if self.link is not None:

@@ -408,8 +408,11 @@ class SparseExchange(tf.Module):
                          for slot, p in zip(bucket.slots, bucket.positions)]
         fused = self.selector.fused_method
 
-        def accumulate(i, k):  # member i: gradient + residual and (fused) k entries, in one op
+        def accumulate(i, k, chunk=None, value_bits=0):  # member i: gradient + residual and (fused) k entries
             compensation, size = compensations[i], bucket.sizes[i]
+            if chunk is not None:  # k entries of every chunk of `chunk`, rounded (the chunk route, on a CPU)
+                return ops.error_feedback_chunk_topk(compensation.gradient, compensation.residual, k, chunk,
+                                                     value_bits)
 
             def fused_op(profile_density=1.0):
                 return ops.error_feedback_topk(

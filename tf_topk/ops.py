@@ -16,6 +16,7 @@ from tensorflow.python.ops import control_flow_util
 
 OP_NAME = "ImportTfTopk>ApproxTopK"
 ERROR_FEEDBACK_OP_NAME = "ImportTfTopk>ErrorFeedbackTopK"
+CHUNK_OP_NAME = "ImportTfTopk>ErrorFeedbackChunkTopK"
 METHODS = ("gaussian", "exact")
 SUPPORTED_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64)
 MAX_SIZE = 2**31 - 1
@@ -63,8 +64,10 @@ _library = _load_library(library_path())
 # Generated wrapper name of "ImportTfTopk>ApproxTopK".
 _approx_topk_raw = _library.import_tf_topk_approx_top_k
 _error_feedback_topk_raw = _library.import_tf_topk_error_feedback_top_k
+_error_feedback_chunk_topk_raw = _library.import_tf_topk_error_feedback_chunk_top_k
 tf.no_gradient(OP_NAME)
 tf.no_gradient(ERROR_FEEDBACK_OP_NAME)
+tf.no_gradient(CHUNK_OP_NAME)
 
 
 def check_method(method):
@@ -110,6 +113,20 @@ def _check_k(k, size, what):
 def _check_size(size, what):
     if size is not None and size > MAX_SIZE:
         raise _invalid(f"{what} has {size} entries; at most 2^31 - 1 are supported (indices are int32)")
+
+
+def _gradient_and_residual(gradient, residual):
+    """The two as tensors, after the dtype checks the error-feedback ops share: a float gradient, and a
+    residual in float32 (float64 for a float64 gradient)."""
+    gradient = tf.convert_to_tensor(gradient)
+    residual = tf.convert_to_tensor(residual)
+    if gradient.dtype not in SUPPORTED_DTYPES:
+        raise _invalid(f"gradient must be float32, float16, bfloat16 or float64, got dtype {gradient.dtype.name}")
+    wanted = tf.float64 if gradient.dtype == tf.float64 else tf.float32
+    if residual.dtype != wanted:
+        raise _invalid(f"residual must be {wanted.name} for a {gradient.dtype.name} gradient, got dtype "
+                       f"{residual.dtype.name}")
+    return gradient, residual
 
 
 def approx_topk(x, k, method="gaussian", name=None):
@@ -238,18 +255,10 @@ def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=F
     """
     check_method(method)
     with tf.name_scope(name or "error_feedback_topk"):
-        gradient = tf.convert_to_tensor(gradient)
-        residual = tf.convert_to_tensor(residual)
-        if gradient.dtype not in SUPPORTED_DTYPES:
-            raise _invalid(f"gradient must be float32, float16, bfloat16 or float64, got dtype "
-                           f"{gradient.dtype.name}")
-        wanted = tf.float64 if gradient.dtype == tf.float64 else tf.float32
+        gradient, residual = _gradient_and_residual(gradient, residual)
         if isinstance(profile_density, bool) or not isinstance(profile_density, (int, float)) or \
                 not 0.0 < profile_density <= 1.0:
             raise ValueError(f"profile_density must be a float in (0, 1], got {profile_density!r}")
-        if residual.dtype != wanted:
-            raise _invalid(f"residual must be {wanted.name} for a {gradient.dtype.name} gradient, got dtype "
-                           f"{residual.dtype.name}")
         size = gradient.shape.num_elements()
         residual_size = residual.shape.num_elements()
         if size is not None and residual_size is not None and size != residual_size:
@@ -260,3 +269,48 @@ def error_feedback_topk(gradient, residual, k, method="gaussian", with_profile=F
         return ErrorFeedbackSelection(*_error_feedback_topk_raw(gradient, residual, k, method=method,
                                                                 with_profile=bool(with_profile),
                                                                 profile_density=float(profile_density)))
+
+
+def error_feedback_chunk_topk(gradient, residual, k, chunk, value_bits=0, name=None):
+    """Error feedback and a chunk-wise selection in one pass: the same number of entries from every
+    chunk, as the chunk route (`exchange_mode="allgather_chunk"`) sends them.
+
+    accumulated = gradient + residual (in the residual's dtype) is cut into chunks of `chunk` entries,
+    the last one shorter; chunk c's k entries of largest magnitude (finite and non-zero, largest first,
+    ties to the earlier index) fill slots c*k to c*k + k - 1, spare slots holding value 0 at the chunk's
+    first index; `remaining` is accumulated with them zeroed. With `value_bits` (2, 3, 4 or 8) the
+    selected values come back rounded on their chunk's grid (`tf_topk.routes.chunked`), each rounding
+    error left in `remaining` and a slot rounded to 0 made spare. A CPU kernel only: on a GPU the route
+    selects with TensorFlow's top_k.
+
+    Args:
+      gradient, residual: as `error_feedback_topk`'s.
+      k: int or int32 scalar tensor, 1 <= k <= chunk: entries per chunk.
+      chunk: int >= 1, entries per chunk.
+      value_bits: 0 (the values as they are), or 2, 3, 4 or 8: rounded as the chunk route sends them.
+
+    Returns:
+      An ErrorFeedbackSelection: values and (flat) indices of ceil(n / chunk) * k slots, remaining,
+      stats as `error_feedback_topk`'s, and an empty profile.
+
+    Example:
+      >>> g = tf.constant([0.5, -1.0, 0.25, 0.0, 2.0])
+      >>> out = tf_topk.ops.error_feedback_chunk_topk(g, tf.zeros([5]), 1, chunk=2)
+      >>> out.values.numpy().tolist(), out.indices.numpy().tolist()
+      ([-1.0, 0.25, 2.0], [1, 2, 4])
+    """
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    if isinstance(value_bits, bool) or value_bits not in (0, 2, 3, 4, 8):
+        raise ValueError(f"value_bits must be one of (0, 2, 3, 4, 8), got {value_bits!r}")
+    with tf.name_scope(name or "error_feedback_chunk_topk"):
+        gradient, residual = _gradient_and_residual(gradient, residual)
+        size = gradient.shape.num_elements()
+        _check_size(size, "gradient")
+        if isinstance(k, int) and not isinstance(k, bool) and not 1 <= k <= chunk:
+            raise _invalid(f"k must be in [1, chunk={chunk}], got k = {k}")
+        k = _check_k(k, None, "gradient")
+        _refuse_xla()
+        values, indices, remaining, stats = _error_feedback_chunk_topk_raw(
+            tf.reshape(gradient, [-1]), tf.reshape(residual, [-1]), k, chunk=chunk, value_bits=value_bits)
+        return ErrorFeedbackSelection(values, indices, remaining, stats, tf.zeros([2, 0], tf.float64))

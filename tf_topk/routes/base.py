@@ -73,7 +73,9 @@ class Route(abc.ABC):
     def select(self, bucket, accumulate, selector, context, leader):
         """Each member's ErrorFeedbackSelection (values, indices, remaining,
         stats, profile). `accumulate(i, k)` runs member i's fused selection of
-        k entries (k = 0: only gradient + residual, in `remaining`);
+        k entries (k = 0: only gradient + residual, in `remaining`;
+        `accumulate(i, k, chunk=c, value_bits=b)`: k entries of every chunk of
+        c, rounded to b bits, by the CPU's `ops.error_feedback_chunk_topk`);
         `selector.select(flat, k)` picks k entries of a flat tensor. By
         default each replica sends its own top-k."""
         return [accumulate(i, k) for i, k in enumerate(bucket.ks)]

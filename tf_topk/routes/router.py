@@ -8,12 +8,13 @@ from tf_topk.cost import AUTO_AGREED_SLOTS
 from tf_topk.routes.agreed import AgreedIndexRoute, AgreedOrDenseRoute
 from tf_topk.routes.allgather import AllGatherRoute
 from tf_topk.routes.base import ring_all_reduce_bytes
+from tf_topk.routes.chunked import ChunkAllGatherRoute
 from tf_topk.routes.dense import Bfloat16DenseRoute, DenseRoute
 from tf_topk.routes.packed import Int8AllGatherRoute
 
 ROUTES = {route.name: route for route in (DenseRoute(), AllGatherRoute(), AgreedIndexRoute(), Bfloat16DenseRoute(),
-                                          Int8AllGatherRoute())}
-MODES = tuple(ROUTES)  # ("dense", "allgather", "allreduce", "dense_bf16", "allgather_int8")
+                                          Int8AllGatherRoute(), ChunkAllGatherRoute())}
+MODES = tuple(ROUTES)  # ("dense", "allgather", "allreduce", "dense_bf16", "allgather_int8", "allgather_chunk")
 MODE_CODES = {name: route.code for name, route in ROUTES.items()}  # the "exchange_mode" statistic
 
 # What one more collective per step is worth in bytes: its latency (rounds of
