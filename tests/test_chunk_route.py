@@ -216,6 +216,27 @@ def test_adamws_default_method_trains_on_two_replicas_at_all_gathers_bytes_with_
         np.testing.assert_array_equal(first, second)
 
 
+@pytest.mark.parametrize("clipping", [{}, {"global_clipnorm": 1.0}], ids=["unclipped", "global_clipnorm"])
+def test_no_density_given_gives_adamw_decoupled_momentum_at_the_fixed_default_on_two_replicas(clipping):
+    """A fixed route and no density runs FIXED_DEFAULT_DENSITY (0.001), and AdamW takes there what a stated
+    density=0.001 takes: decoupled momentum, not top-k in front of it (clipped or not)."""
+    strategy = strategy_for(2, two_replicas)
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(64, 32)).astype(np.float32), rng.normal(size=(64, 300)).astype(np.float32)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(300)])
+        optimizer = tf_topk.TopKOptimizer(keras.optimizers.AdamW(1e-3, **clipping), min_size=1000,
+                                          exchange_mode="allgather_chunk")
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert optimizer.exchange_config.schedule.settled_density() == 0.001
+    assert optimizer.decoupled_momentum is True
+    assert type(optimizer.exchange.memory).__name__ == "DecoupledMomentumMemory"
+    for variable in model.trainable_variables:
+        first, second = (local.numpy() for local in two_replicas().experimental_local_results(variable.value))
+        np.testing.assert_array_equal(first, second)
+
+
 @pytest.mark.parametrize("density, chosen", [(0.045, True), (0.05, False)])
 def test_the_auto_thresholds_are_held_in_8_byte_pairs_bytes(density, chosen):
     """Decoupled momentum for AdamW and the density warm-up, both "auto", up to 0.01 of 8-byte pairs'

@@ -217,6 +217,7 @@ def test_no_density_given_takes_the_fixed_default_on_two_replicas(units):
         model.compile(optimizer=optimizer, loss="mse")
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert optimizer.exchange_config.schedule.settled_density() == 0.001
+    assert optimizer.decoupled_momentum is True  # as a stated density=0.001 takes it
     assert optimizer.compression_stats()["exchange_mode"] == (Int8AllGatherRoute.code if units == 300 else 0.0)
     for variable in model.trainable_variables:
         first, second = (local.numpy() for local in strategy.experimental_local_results(variable.value))

@@ -73,7 +73,8 @@ def default_method(config, adam, kind, amsgrad=False, skipped_option=None, asked
     exchange parts), which runs.
 
     True at a fixed density of DECOUPLED_UP_TO_DENSITY or less (in 8-byte pairs' bytes: twice it with
-    exchange_mode="allgather_int8"); "auto" with no density given (the autopilot's plan decides:
+    exchange_mode="allgather_int8"), a fixed route with no density given included (it runs
+    FIXED_DEFAULT_DENSITY); "auto" with no density given on exchange_mode="auto" (the autopilot's plan decides:
     decoupled momentum where it sparsifies, `SparseExchange`'s `plan_decoupled_momentum`); False
     otherwise, and for "dense_bf16" (every entry in bfloat16 through the inner optimizer: its 16-bit
     baseline)."""
@@ -88,8 +89,8 @@ def default_method(config, adam, kind, amsgrad=False, skipped_option=None, asked
         name, value = skipped_option
         return False, (f"{keep}, not decoupled momentum: tf_keras's {kind} with {name}={value!r}, which decoupled "
                        "momentum would skip (Keras 3's tf_topk.TopKOptimizer keeps it)")
-    if config.density is None:
-        return ("auto" if config.schedule.autopilot else False), None
+    if config.schedule.autopilot:
+        return "auto", None
     density = config.schedule.settled_density()
     if density is None or config.schedule.adaptive is not None:
         return False, f"{keep}, not decoupled momentum: it takes a fixed density, got density={config.density!r}"
