@@ -22,6 +22,7 @@ split_cpu()  # before TensorFlow starts: the two-replica tests skip without it
 
 import tf_topk  # noqa: E402
 from tf_topk.routes import ChunkAllGatherRoute, bitfields, chunked  # noqa: E402
+from tf_topk.routes.base import Bucket  # noqa: E402
 
 ENTRIES, DENSITY, STEPS = 9_000, 0.01, 4  # 3 chunks (4096, 4096, 808), k = 90: 30 a chunk
 
@@ -286,3 +287,32 @@ def test_the_graph_selection_for_gpus_matches_the_cpu_op():
     for first, second in zip(results[0][0] + [results[0][1]], results[1][0] + [results[1][1]]):
         np.testing.assert_array_equal(first, second)
     assert chunked._selects_on_cpu()
+
+
+@pytest.mark.parametrize("value_bits", chunked.VALUE_BITS)
+def test_the_cpus_wire_ops_write_and_read_the_graphs_words(value_bits):
+    """`send` on a CPU packs and unpacks in two ops (`ops.chunk_pack`, `ops.chunk_unpack`), on a GPU in the
+    graph (`_words`, `_read`): the same words bit for bit, read back the same from three replicas' rows."""
+    from test_ops import rounded_bucket
+
+    route = ChunkAllGatherRoute(value_bits)
+    rows = []
+    for replica in range(3):
+        values, indices, lengths, sizes, starts = rounded_bucket(value_bits, seed=replica)
+        bucket = Bucket(positions=None, slots=None, sizes=sizes, offsets=starts, size=sum(sizes), ks=None,
+                        shapes=None, dtypes=None, max_pairs=None)
+        layout = dict(sizes=sizes, starts=starts, chunk=chunked.CHUNK, value_bits=value_bits)
+        words = tf_topk.ops.chunk_pack(values, indices, lengths, **layout)
+        np.testing.assert_array_equal(tf.bitcast(words, tf.int32).numpy(),
+                                      tf.bitcast(route._words(bucket, values, indices, lengths), tf.int32).numpy())
+        rows.append(words)
+    rows = tf.stack(rows)
+    for from_ops, from_graph in zip(tf_topk.ops.chunk_unpack(rows, lengths, **layout),
+                                    route._read(bucket, rows, lengths)):
+        np.testing.assert_array_equal(from_ops.numpy(), from_graph.numpy())
+
+
+def test_the_graphs_grid_stops_at_float32s_largest_power_of_two():
+    """As the op's (tests/test_ops.py): a mean magnitude beyond 2**127.5 takes the grid 2**127."""
+    assert chunked.chunk_exponents(tf.constant([[3.0e38, 3.0e38], [1.0, 3.0]], tf.float64), 1).numpy().tolist() \
+        == [127, 1]

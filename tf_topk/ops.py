@@ -17,6 +17,8 @@ from tensorflow.python.ops import control_flow_util
 OP_NAME = "ImportTfTopk>ApproxTopK"
 ERROR_FEEDBACK_OP_NAME = "ImportTfTopk>ErrorFeedbackTopK"
 CHUNK_OP_NAME = "ImportTfTopk>ErrorFeedbackChunkTopK"
+CHUNK_PACK_OP_NAME = "ImportTfTopk>ChunkPack"
+CHUNK_UNPACK_OP_NAME = "ImportTfTopk>ChunkUnpack"
 METHODS = ("gaussian", "exact")
 SUPPORTED_DTYPES = (tf.float32, tf.float16, tf.bfloat16, tf.float64)
 MAX_SIZE = 2**31 - 1
@@ -65,9 +67,13 @@ _library = _load_library(library_path())
 _approx_topk_raw = _library.import_tf_topk_approx_top_k
 _error_feedback_topk_raw = _library.import_tf_topk_error_feedback_top_k
 _error_feedback_chunk_topk_raw = _library.import_tf_topk_error_feedback_chunk_top_k
+_chunk_pack_raw = _library.import_tf_topk_chunk_pack
+_chunk_unpack_raw = _library.import_tf_topk_chunk_unpack
 tf.no_gradient(OP_NAME)
 tf.no_gradient(ERROR_FEEDBACK_OP_NAME)
 tf.no_gradient(CHUNK_OP_NAME)
+tf.no_gradient(CHUNK_PACK_OP_NAME)
+tf.no_gradient(CHUNK_UNPACK_OP_NAME)
 
 
 def check_method(method):
@@ -314,3 +320,58 @@ def error_feedback_chunk_topk(gradient, residual, k, chunk, value_bits=0, name=N
         values, indices, remaining, stats = _error_feedback_chunk_topk_raw(
             tf.reshape(gradient, [-1]), tf.reshape(residual, [-1]), k, chunk=chunk, value_bits=value_bits)
         return ErrorFeedbackSelection(values, indices, remaining, stats, tf.zeros([2, 0], tf.float64))
+
+
+def _wire_layout(sizes, starts, chunk, value_bits):
+    """The chunk wire ops' attributes, checked: a ValueError names the bad one."""
+    sizes, starts = [int(size) for size in sizes], [int(start) for start in starts]
+    if not sizes or len(sizes) != len(starts) or min(sizes) < 1 or min(starts) < 0:
+        raise ValueError(f"sizes and starts must name the same members, sizes >= 1 and starts >= 0, got "
+                         f"sizes={sizes!r} and starts={starts!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= 2**24:
+        raise ValueError(f"chunk must be an int in [2, 2**24], got {chunk!r}")
+    if isinstance(value_bits, bool) or value_bits not in (2, 3, 4, 8):
+        raise ValueError(f"value_bits must be one of (2, 3, 4, 8), got {value_bits!r}")
+    return dict(sizes=sizes, starts=starts, chunk=chunk, value_bits=value_bits)
+
+
+def chunk_pack(values, indices, lengths, sizes, starts, chunk, value_bits, name=None):
+    """A bucket's selected slots as the chunk route's words (`tf_topk.routes.chunked`'s format),
+    in one pass on a CPU: each chunk's grid rebuilt from its rounded values, then the members'
+    exponents, the chunks' offsets and each slot's chunk-local index and code packed.
+
+    Args:
+      values: float32 or float64 [slots], member after member, already on their chunks' grid (as
+        `error_feedback_chunk_topk(..., value_bits=value_bits)` returns them).
+      indices: int32 [slots], flat indices into the bucket.
+      lengths: int32 [members], the slots of each member (the same number in each of its chunks).
+      sizes, starts: each member's entries and its first flat index in the bucket.
+      chunk: entries a chunk (a member of fewer is one chunk); value_bits: 2, 3, 4 or 8.
+
+    Returns:
+      float32 [members + packed words] (bit-cast words; `chunk_unpack` reads them).
+
+    Example:
+      >>> words = tf_topk.ops.chunk_pack([1.0, -2.0], [0, 5], [2], sizes=[8], starts=[0], chunk=4,
+      ...                                value_bits=2)
+      >>> tf_topk.ops.chunk_unpack(words[None], [2], sizes=[8], starts=[0], chunk=4,
+      ...                          value_bits=2)[0].numpy().tolist()
+      [[1.0, -2.0]]
+    """
+    layout = _wire_layout(sizes, starts, chunk, value_bits)
+    with tf.name_scope(name or "chunk_pack"):
+        values = tf.convert_to_tensor(values)
+        if values.dtype not in (tf.float32, tf.float64):
+            raise TypeError(f"values must be float32 or float64, got {values.dtype.name}")
+        return _chunk_pack_raw(tf.reshape(values, [-1]), tf.reshape(tf.cast(indices, tf.int32), [-1]),
+                               tf.cast(lengths, tf.int32), **layout)
+
+
+def chunk_unpack(rows, lengths, sizes, starts, chunk, value_bits, name=None):
+    """`chunk_pack`'s words of every replica (rows, float32 [replicas, words]) read back: (values
+    float32 [replicas, slots], c * 2**(e_m - o) each, and their flat indices int32 [replicas, slots]),
+    in one pass on a CPU. The arguments are `chunk_pack`'s."""
+    layout = _wire_layout(sizes, starts, chunk, value_bits)
+    with tf.name_scope(name or "chunk_unpack"):
+        return tuple(_chunk_unpack_raw(tf.convert_to_tensor(rows, tf.float32), tf.cast(lengths, tf.int32),
+                                       **layout))

@@ -1,6 +1,6 @@
 // The chunk-wise error-feedback selection (ErrorFeedbackChunkTopK) on the CPU:
 // the chunks run in parallel on the intra-op pool, each read once for its sums,
-// then, in cache, for the entries above a threshold guessed from them, of which
+// then, in cache, for the entries above a threshold guessed from a sample, of which
 // a partial sort keeps the k largest; those are zeroed in `remaining`. The
 // statistics are summed per chunk, then over chunks in order, so they do not
 // depend on the number of threads. No GPU kernel: the exchange selects
@@ -10,10 +10,12 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "chunk_grid.h"
+#include "error_feedback_cpu.h"
+#include "remaining_buffers.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor_shape.h"
@@ -29,106 +31,89 @@ using ::tensorflow::TensorShape;
 
 namespace {
 
-template <typename R, typename T>
-R Widened(T x) {
-  if constexpr (std::is_floating_point<T>::value) {
-    return static_cast<R>(x);
-  } else {  // Eigen::half, Eigen::bfloat16
-    return static_cast<R>(static_cast<float>(x));
+using Key = uint32_t;  // cpu::KeyOf: the magnitude's float32 bits, in the order of magnitude
+
+// Ranks candidates (cpu::Candidate: index and value) by magnitude, then by
+// the earlier index (ties to the earlier entry).
+template <typename R>
+bool Better(const cpu::Candidate<R>& a, const cpu::Candidate<R>& b) {
+  const R x = std::abs(a.value), y = std::abs(b.value);
+  return x > y || (x == y && a.index < b.index);
+}
+
+constexpr int64_t kSample = 256;  // entries a chunk's threshold is guessed from
+constexpr int64_t kSmallRank = 16;  // below it the sample's rank is found by insertion
+
+// A key with about `wanted` of the chunk's entries at or above it, guessed
+// from kSample of x[begin, end) evenly spaced, whatever their distribution;
+// 1 (every finite non-zero entry) where the guess would keep them all.
+template <typename R>
+Key SampledKey(const R* x, int64_t begin, int64_t end, double wanted) {
+  const int64_t length = end - begin;
+  const int64_t stride = std::max<int64_t>(1, length / kSample);
+  const int64_t samples = std::min(kSample, (length + stride - 1) / stride);
+  const int64_t rank = static_cast<int64_t>(wanted * static_cast<double>(samples) / static_cast<double>(length));
+  if (rank >= samples) return 1u;
+  Key keys[kSample];
+  int64_t taken = 0;
+  if (rank < kSmallRank) {  // the rank + 1 largest keys, descending, by insertion: most keys fail one test
+    for (int64_t s = 0; s < samples; ++s) {
+      const Key key = cpu::KeyOf(x[begin + s * stride]);
+      if (key >= kInfBits || (taken > rank && key <= keys[rank])) continue;
+      int64_t j = std::min(taken, rank);
+      for (; j > 0 && keys[j - 1] < key; --j) keys[j] = keys[j - 1];
+      keys[j] = key;
+      taken = std::min(taken + 1, rank + 1);
+    }
+  } else {
+    for (int64_t s = 0; s < samples; ++s) {
+      const Key key = cpu::KeyOf(x[begin + s * stride]);
+      if (key < kInfBits) keys[taken++] = key;
+    }
+    if (taken > rank) std::nth_element(keys, keys + rank, keys + taken, [](Key a, Key b) { return a > b; });
   }
-}
-
-// One candidate: its magnitude and its index. `Better` ranks by magnitude,
-// then by the earlier index (ties to the earlier entry).
-template <typename R>
-struct Candidate {
-  R magnitude;
-  int64_t index;
-};
-
-template <typename R>
-bool Better(const Candidate<R>& a, const Candidate<R>& b) {
-  return a.magnitude > b.magnitude || (a.magnitude == b.magnitude && a.index < b.index);
-}
-
-// A magnitude about 0.8 of the one that `share` of normal entries of mean
-// square `mean_square` exceed (Abramowitz and Stegun 26.2.23 for the normal
-// quantile, within 5e-4): below the k-th largest for most chunks of gradients.
-inline double NormalThreshold(double mean_square, double share) {
-  const double tail = 0.5 * share;  // one side of |x|
-  const double t = std::sqrt(-2.0 * std::log(tail));
-  const double z = t - (2.515517 + 0.802853 * t + 0.010328 * t * t) /
-                           (1.0 + 1.432788 * t + 0.189269 * t * t + 0.001308 * t * t * t);
-  return 0.8 * std::sqrt(mean_square) * std::max(z, 0.0);
+  return taken > rank ? std::max(keys[rank], Key{1}) : 1u;
 }
 
 // Chunk [begin, end): accumulated into remaining, its k largest finite
 // non-zero magnitudes into slots (values, indices), zeroed in remaining;
-// partial statistics into stats[0:3]. Two passes over the chunk, the second
-// in cache: the sums (eight accumulators, no dependency chain), then the
-// selection, where an entry costs one comparison with a threshold (NaN
-// compares false).
+// partial statistics into stats[0:3]. The fused op's passes read the chunk
+// once (cpu::AccumulateChunk: the sums, float32 four wide), then, in cache,
+// collect the candidates at or above a key guessed from a sample of it
+// (cpu::PrefilterBlock, groups of 16 with none above it skipped; SampledKey:
+// about 2k + 16 of them, then 8k + 64, then every entry). The k best
+// candidates are the chunk's k best whatever the guess, which only decides
+// how many entries the partial sort sees. (A guess from the root mean square,
+// as if the entries were normal, kept thousands of candidates a chunk once
+// error feedback had flattened the distribution.)
 template <typename T, typename R>
 void SelectChunk(const T* gradient, const R* residual, int64_t begin, int64_t end, int64_t k,
-                 std::vector<Candidate<R>>* candidates, R* values, int32_t* indices, R* remaining,
-                 double* stats) {
-  constexpr int kLanes = 8;
-  double squares[kLanes] = {0.0};
-  int64_t non_finite = 0;
-  int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    for (int lane = 0; lane < kLanes; ++lane) {
-      const R a = Widened<R>(gradient[i + lane]) + residual[i + lane];
-      remaining[i + lane] = a;
-      const bool finite = std::isfinite(a);
-      squares[lane] += finite ? static_cast<double>(a) * static_cast<double>(a) : 0.0;
-      non_finite += finite ? 0 : 1;
-    }
-  }
-  for (; i < end; ++i) {
-    const R a = Widened<R>(gradient[i]) + residual[i];
-    remaining[i] = a;
-    const bool finite = std::isfinite(a);
-    squares[0] += finite ? static_cast<double>(a) * static_cast<double>(a) : 0.0;
-    non_finite += finite ? 0 : 1;
-  }
-  double accumulated_squares = 0.0;
-  for (int lane = 0; lane < kLanes; ++lane) accumulated_squares += squares[lane];
-
-  // Candidates above a threshold guessed from the chunk's root mean square as
-  // if its entries were normal (`NormalThreshold`), lowered until k qualify:
-  // the k best candidates are then the chunk's k best whatever the guess, which
-  // only decides how many entries the final partial sort sees.
-  const int64_t length = end - begin;
-  const int64_t finite = length - non_finite;
-  double threshold = (finite > 0 && 2 * k < finite)
-                         ? NormalThreshold(accumulated_squares / static_cast<double>(finite),
-                                           static_cast<double>(k) / static_cast<double>(finite))
-                         : 0.0;
+                 std::vector<cpu::Candidate<R>>* kept, R* values, int32_t* indices, R* remaining, double* stats) {
+  cpu::BlockSums sums;
+  cpu::AccumulateChunk(gradient, residual, begin, end, /*low_key=*/0u, remaining, &sums);
   for (int attempt = 0;; ++attempt) {
-    candidates->clear();
-    const R below = static_cast<R>(threshold);
-    for (i = begin; i < end; ++i) {
-      const R magnitude = std::abs(remaining[i]);
-      if (magnitude > below && std::isfinite(magnitude)) candidates->push_back({magnitude, i});
-    }
-    if (static_cast<int64_t>(candidates->size()) >= k || threshold == 0.0) break;
-    threshold = attempt < 2 ? threshold * 0.5 : 0.0;
+    const Key low_key = attempt == 2 ? 1u : SampledKey(remaining, begin, end, attempt == 0 ? 2.0 * k + 16.0
+                                                                                          : 8.0 * k + 64.0);
+    kept->clear();
+    cpu::PrefilterBlock(remaining, begin, end, low_key, end - begin, kept);
+    if (static_cast<int64_t>(kept->size()) >= k || low_key == 1u) break;
   }
-  if (static_cast<int64_t>(candidates->size()) > k) {
-    std::nth_element(candidates->begin(), candidates->begin() + k, candidates->end(), Better<R>);
-    candidates->resize(k);
+  int64_t count = static_cast<int64_t>(kept->size());
+  const double accumulated_squares = sums.accumulated_squares;
+  const int64_t non_finite = sums.non_finite;
+  if (count > k) {
+    std::nth_element(kept->begin(), kept->begin() + k, kept->end(), Better<R>);
+    count = k;
   }
-  std::sort(candidates->begin(), candidates->end(), Better<R>);
+  std::sort(kept->begin(), kept->begin() + count, Better<R>);
   int64_t slot = 0;
   double selected_squares = 0.0;
-  for (const Candidate<R>& c : *candidates) {
-    const R a = remaining[c.index];
-    values[slot] = a;
-    indices[slot] = static_cast<int32_t>(c.index);
-    selected_squares += static_cast<double>(a) * static_cast<double>(a);
+  for (; slot < count; ++slot) {
+    const cpu::Candidate<R>& c = (*kept)[slot];
+    values[slot] = c.value;
+    indices[slot] = c.index;
+    selected_squares += static_cast<double>(c.value) * static_cast<double>(c.value);
     remaining[c.index] = R(0);
-    ++slot;
   }
   for (; slot < k; ++slot) {
     values[slot] = R(0);
@@ -137,39 +122,6 @@ void SelectChunk(const T* gradient, const R* residual, int64_t begin, int64_t en
   stats[0] = accumulated_squares;
   stats[1] = std::max(0.0, accumulated_squares - selected_squares);
   stats[2] = static_cast<double>(non_finite);
-}
-
-constexpr int kMinExponent = -149;  // float32's smallest subnormal is 2**-149
-constexpr int kMaxExponent = 127;  // float32's largest power of two
-constexpr int kMaxOffset = 15;      // 4 bits: a chunk's grid at most 2**15 below its member's
-
-// The exponent e of a chunk's grid 2**e from its selected values (the slots
-// [0, count)): with levels = 1 the power of two nearest the mean magnitude of
-// the non-zero ones, else the smallest e with max <= levels * 2**e;
-// kMinExponent for none, at most kMaxExponent. tf_topk/routes/chunked.py's `chunk_exponents`, whose
-// rule this is: the route rebuilds the codes from the rounded values with it.
-template <typename R>
-int ChunkExponent(const R* values, int64_t count, int levels) {
-  double sum = 0.0, largest = 0.0;
-  int64_t nonzero = 0;
-  for (int64_t j = 0; j < count; ++j) {
-    const double magnitude = std::abs(static_cast<double>(values[j]));
-    if (magnitude > 0.0) {
-      sum += magnitude;
-      largest = std::max(largest, magnitude);
-      ++nonzero;
-    }
-  }
-  if (nonzero == 0) return kMinExponent;
-  double exponent;
-  if (levels == 1) {
-    exponent = std::nearbyint(std::log(sum / static_cast<double>(nonzero)) / std::log(2.0));
-  } else {
-    exponent = std::ceil(std::log(largest / levels) / std::log(2.0));
-    if (largest > levels * std::ldexp(1.0, static_cast<int>(exponent))) exponent += 1;
-    if (largest <= levels * std::ldexp(1.0, static_cast<int>(exponent) - 1)) exponent -= 1;
-  }
-  return std::min(std::max(static_cast<int>(exponent), kMinExponent), kMaxExponent);
 }
 
 // The chunk's selected values rounded to c * 2**step, c in [-levels, levels]:
@@ -206,7 +158,7 @@ class ErrorFeedbackChunkTopKOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("value_bits", &value_bits));
     OP_REQUIRES(ctx, value_bits == 0 || value_bits == 2 || value_bits == 3 || value_bits == 4 || value_bits == 8,
                 absl::InvalidArgumentError("value_bits must be 0, 2, 3, 4 or 8, got " + std::to_string(value_bits)));
-    levels_ = value_bits == 0 ? 0 : (1 << (value_bits - 1)) - 1;
+    levels_ = value_bits == 0 ? 0 : ChunkLevels(value_bits);
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -235,7 +187,7 @@ class ErrorFeedbackChunkTopKOp : public OpKernel {
     Tensor* stats = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({chunks * k}), &values));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({chunks * k}), &indices));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n}), &remaining));
+    OP_REQUIRES_OK(ctx, remaining_buffers_.Output(ctx, 2, residual.dtype(), n, &remaining));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({3}), &stats));
     const T* g = gradient.flat<T>().data();
     const R* r = residual.flat<R>().data();
@@ -246,7 +198,7 @@ class ErrorFeedbackChunkTopKOp : public OpKernel {
     const int64_t chunk = chunk_;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     pool->ParallelFor(chunks, 8 * chunk, [&](int64_t first, int64_t last) {
-      std::vector<Candidate<R>> candidates;
+      std::vector<cpu::Candidate<R>> candidates;
       candidates.reserve(chunk);
       for (int64_t c = first; c < last; ++c) {
         SelectChunk(g, r, c * chunk, std::min(n, (c + 1) * chunk), k, &candidates, v + c * k, idx + c * k,
@@ -260,12 +212,12 @@ class ErrorFeedbackChunkTopKOp : public OpKernel {
       pool->ParallelFor(chunks, 4 * k, [&](int64_t first, int64_t last) {
         for (int64_t c = first; c < last; ++c) exponents[c] = ChunkExponent(v + c * k, k, levels_);
       });
-      const int member = *std::max_element(exponents.begin(), exponents.end());
+      const int member = *std::max_element(exponents.begin(), exponents.end());  // e_m
       std::vector<double> error_squares(chunks, 0.0);
       pool->ParallelFor(chunks, 8 * k, [&](int64_t first, int64_t last) {
         for (int64_t c = first; c < last; ++c) {
-          const int offset = std::min(kMaxOffset, std::max(0, member - exponents[c]));
-          error_squares[c] = RoundChunk(v + c * k, idx + c * k, k, member - offset, levels_,
+          const int step = member - ChunkOffset(member, exponents[c]);
+          error_squares[c] = RoundChunk(v + c * k, idx + c * k, k, step, levels_,
                                         static_cast<int32_t>(c * chunk), rem);
         }
       });
@@ -281,6 +233,7 @@ class ErrorFeedbackChunkTopKOp : public OpKernel {
  private:
   int64_t chunk_ = 1;
   int levels_ = 0;
+  RemainingBuffers remaining_buffers_;  // as ErrorFeedbackTopK's: no fresh pages a step
 };
 
 #define REGISTER_CHUNK_CPU(T, R)                                                   \

@@ -6,7 +6,7 @@
 // to the residual variable only when every replica's step was finite (an
 // assignment hands over the buffer, it copies nothing), so a skipped step
 // leaves the residual exactly as it was. `remaining` lives in buffers the
-// kernel recycles (RemainingBuffer), so a step repeated at the same size
+// kernel recycles (RemainingBuffers), so a step repeated at the same size
 // allocates no fresh memory.
 #define EIGEN_USE_THREADS
 
@@ -17,9 +17,9 @@
 #include <vector>
 
 #include "error_feedback_cpu.h"
+#include "remaining_buffers.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
-#include "tensorflow/core/platform/mutex.h"
 #include "selection_arguments.h"
 #include "topk_cpu.h"
 #include "unsupported/Eigen/CXX11/Tensor"
@@ -58,59 +58,6 @@ class ErrorFeedbackTopKOp : public OpKernel {
     profile_density_ = profile_density;
   }
 
-  // The `remaining` output, from buffers this kernel keeps. A fresh buffer
-  // of the residual's size every step would cost more than the whole pass
-  // (the allocator hands back unmapped memory for large tensors, and every
-  // page faults on first write). The caller assigns `remaining` to the
-  // residual variable, which then holds that buffer; a buffer comes back for
-  // reuse once nobody but this kernel holds it (the variable moved on to a
-  // newer one, or the step was skipped). Under TensorFlow's copy-on-write
-  // rule for variables a holder never sees the buffer change: an in-place
-  // write to a variable whose buffer is shared copies it first.
-  //
-  // What the kernel keeps is bounded: at most kMaxBuffers buffers, all of
-  // the last call's size; each call lets go of those nobody else holds but
-  // the one it writes into. A call of a new size keeps nothing and lets
-  // every buffer go: it is a one-off, or the kernel serves several sizes (an
-  // eager kernel is shared by every call with the same attributes and
-  // device), and either way nothing kept would be reused. So only a step
-  // repeated at one size (a tf.function's kernel runs once per step) holds
-  // buffers, and they are what that step needs.
-  absl::Status RemainingBuffer(OpKernelContext* ctx,
-                               ::tensorflow::DataType dtype, int64_t n,
-                               Tensor** remaining) {
-    ::tensorflow::mutex_lock lock(mu_);
-    if (n != last_size_ || n == 0) {
-      buffers_.clear();
-      last_size_ = n;
-      return ctx->allocate_output(2, TensorShape({n}), remaining);
-    }
-    // The first buffer nobody else holds becomes the output; other such
-    // buffers are released (the variable moved on, or outputs were dropped).
-    int spare = -1;
-    for (int i = 0; i < static_cast<int>(buffers_.size());) {
-      if (!buffers_[i].RefCountIsOne()) {
-        ++i;
-      } else if (spare < 0) {
-        spare = i++;
-      } else {
-        buffers_.erase(buffers_.begin() + i);
-      }
-    }
-    if (spare < 0) {
-      if (buffers_.size() >= kMaxBuffers) {  // steps in flight: no reuse
-        return ctx->allocate_output(2, TensorShape({n}), remaining);
-      }
-      Tensor buffer;
-      TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, TensorShape({n}), &buffer));
-      buffers_.push_back(std::move(buffer));
-      spare = static_cast<int>(buffers_.size()) - 1;
-    }
-    ctx->set_output(2, buffers_[spare]);
-    *remaining = ctx->mutable_output(2);
-    return absl::OkStatus();
-  }
-
   void Compute(OpKernelContext* ctx) override {
     const Tensor& gradient = ctx->input(0);
     const Tensor& residual = ctx->input(1);
@@ -129,7 +76,7 @@ class ErrorFeedbackTopKOp : public OpKernel {
     Tensor* profile = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
-    OP_REQUIRES_OK(ctx, RemainingBuffer(ctx, residual.dtype(), n, &remaining));
+    OP_REQUIRES_OK(ctx, remaining_buffers_.Output(ctx, 2, residual.dtype(), n, &remaining));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
                             3, TensorShape({kNumErrorFeedbackStats}), &stats));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(
@@ -144,16 +91,10 @@ class ErrorFeedbackTopKOp : public OpKernel {
   }
 
  private:
-  // The residual a variable holds and the one being computed; a third when
-  // a step runs before the previous one released its buffer.
-  static constexpr size_t kMaxBuffers = 3;
-
   Method method_ = Method::kGaussian;
   bool with_profile_ = false;
   double profile_density_ = 1.0;
-  ::tensorflow::mutex mu_;
-  std::vector<Tensor> buffers_ TF_GUARDED_BY(mu_);  // all of last_size_
-  int64_t last_size_ TF_GUARDED_BY(mu_) = -1;  // entries of the last call
+  RemainingBuffers remaining_buffers_;
 };
 
 #define TF_TOPK_REGISTER_CPU(T, R)                                      \

@@ -27,6 +27,7 @@ on the coarsest grid the offset reaches (its small entries stay in the residual)
 
 import tensorflow as tf
 
+from tf_topk import ops
 from tf_topk.routes import bitfields
 from tf_topk.routes.allgather import AllGatherRoute, _gather, gathered_gradients
 from tf_topk.routes.base import taken_out
@@ -166,8 +167,21 @@ class ChunkAllGatherRoute(AllGatherRoute):
         return taken_out(selection, selection.remaining, tf.reshape(rounded, [-1]), indices)
 
     def send(self, context, bucket, values, indices, lengths, carry, sparse_output):
+        if _selects_on_cpu():  # one op packs, one unpacks (the same format as `_words` and `_read`)
+            layout = dict(sizes=bucket.sizes, starts=bucket.offsets, chunk=CHUNK, value_bits=self.value_bits)
+            slots = tf.stack(lengths)
+            rows, summed_carry = _gather(context, ops.chunk_pack(values, indices, slots, **layout), carry)
+            rows_values, rows_indices = ops.chunk_unpack(rows, slots, **layout)
+        else:
+            rows, summed_carry = _gather(context, self._words(bucket, values, indices, lengths), carry)
+            rows_values, rows_indices = self._read(bucket, rows, lengths)
+        return gathered_gradients(bucket, lengths, rows_values, rows_indices, sparse_output), summed_carry
+
+    def _words(self, bucket, values, indices, lengths):
+        """The bucket's words in the graph: each member's exponent word, then the chunks' offsets and the
+        slots packed (`bitfields`)."""
         members = len(lengths)
-        exponents, offsets, slots, chunk_counts = [], [], [], []
+        exponents, offsets, slots = [], [], []
         mask = (1 << self.value_bits) - 1
         for size, start, member_values, member_indices in zip(
                 bucket.sizes, bucket.offsets, tf.split(values, tf.stack(lengths), num=members),
@@ -179,16 +193,21 @@ class ChunkAllGatherRoute(AllGatherRoute):
             offsets.append(member_offsets)
             slots.append(tf.reshape(tf.bitwise.bitwise_or(
                 local, tf.bitwise.left_shift(tf.bitwise.bitwise_and(codes, mask), INDEX_BITS)), [-1]))
-            chunk_counts.append(count)
         offsets, slots = tf.concat(offsets, 0), tf.concat(slots, 0)
-        buffer = tf.concat([tf.bitcast(tf.stack(exponents), tf.float32),
-                            bitfields.pack([(offsets, OFFSET_BITS), (slots, self.slot_bits)])], 0)
-        rows, summed_carry = _gather(context, buffer, carry)
-        rows_offsets, rows_slots = bitfields.unpack(rows[:, members:], [(tf.size(offsets), OFFSET_BITS),
-                                                                         (tf.size(slots), self.slot_bits)])
+        return tf.concat([tf.bitcast(tf.stack(exponents), tf.float32),
+                          bitfields.pack([(offsets, OFFSET_BITS), (slots, self.slot_bits)])], 0)
+
+    def _read(self, bucket, rows, lengths):
+        """Every replica's words (rows [replicas, words]) in the graph: (values float32, flat indices),
+        each [replicas, slots]."""
+        members = len(lengths)
+        chunk_counts = [chunks_of(size)[1] for size in bucket.sizes]
+        total_chunks, total_slots = sum(chunk_counts), tf.add_n([tf.cast(length, tf.int32) for length in lengths])
+        mask = (1 << self.value_bits) - 1
+        rows_offsets, rows_slots = bitfields.unpack(rows[:, members:], [(total_chunks, OFFSET_BITS),
+                                                                         (total_slots, self.slot_bits)])
         rows_exponents = tf.bitcast(rows[:, :members], tf.int32)  # [replicas, members]
         # Where each slot belongs (the same layout on every replica): its member and its chunk.
-        total_chunks = sum(chunk_counts)
         slot_chunk = tf.repeat(tf.range(total_chunks), tf.repeat(
             tf.stack([length // count for length, count in zip(lengths, chunk_counts)]), chunk_counts))
         chunk_member = tf.repeat(tf.range(members), chunk_counts)
@@ -200,8 +219,7 @@ class ChunkAllGatherRoute(AllGatherRoute):
         rows_steps = tf.gather(rows_exponents, tf.gather(chunk_member, slot_chunk), axis=1) - tf.gather(
             tf.cast(rows_offsets, tf.int32), slot_chunk, axis=1)
         rows_indices = tf.bitwise.bitwise_and(rows_slots, (1 << INDEX_BITS) - 1) + tf.gather(chunk_start, slot_chunk)
-        return gathered_gradients(bucket, lengths, decoded(rows_codes, rows_steps), rows_indices,
-                                  sparse_output), summed_carry
+        return decoded(rows_codes, rows_steps), rows_indices
 
     def bytes(self, pairs, entries, replicas):
         return (replicas - 1) * self.slot_bits / 8.0 * pairs
