@@ -37,7 +37,8 @@ per seed ("inner": the inner optimizer, e.g. with `--global-clipnorm 1.0`). VARI
                                chunk, bits= 8, 4 or 2 for quantized values)
 
 and for every variant but dense: warm= the density warm-up ("auto", the library's default, or steps), and
-mode= the exchange_mode (e.g. mode=allgather_int8: values in 8 bits, the rounding error kept).
+mode= the exchange_mode (e.g. mode=allgather_int8: values in 8 bits, the rounding error kept); demo
+also takes vbits=B: the allgather_chunk route with B-bit values (2, 3, 4 or 8; its default is 2).
 
 `summarize` pairs each variant's seeds with dense's of the same dataset, steps, replicas and inner
 optimizer's clipping, and prints
@@ -307,6 +308,11 @@ def make_builder(variant, density):
             return tf_topk.TopKOptimizer(inner, momentum_correction=True,
                                          variance_warmup_steps=int(options.get("vw", args.steps // 10)), **common)
         memory = decoupled_memory(options)
+        if name == "demo" and "vbits" in options:  # the chunk route at another value width
+            from tf_topk.routes import ChunkAllGatherRoute, FixedRouter
+            common.pop("exchange_mode")
+            router = FixedRouter(ChunkAllGatherRoute(value_bits=int(options["vbits"])))
+            return tf_topk.TopKOptimizer(inner, memory=memory, router=router, **common)
         if name == "demo":
             return tf_topk.TopKOptimizer(inner, memory=memory, **common)
         selector = QuantizedChunkSelector(int(options.get("qchunk", 4096)), int(options["bits"]) if "bits" in options

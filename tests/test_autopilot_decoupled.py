@@ -23,7 +23,7 @@ split_cpu(2)  # before TensorFlow starts
 
 import tf_topk  # noqa: E402
 from multiworker import REPO_ROOT  # noqa: E402
-from tf_topk.autopilot import DECOUPLED_DENSITIES, FIXED_DENSITY_SAVING, Plan, advise  # noqa: E402
+from tf_topk.autopilot import CHUNK_AT_DENSITY, DECOUPLED_DENSITIES, FIXED_DENSITY_SAVING, Plan, advise  # noqa: E402
 from tf_topk.bench.__main__ import main as bench_main  # noqa: E402
 from tf_topk.cost import AUTO_AGREED_SLOTS, CostModel  # noqa: E402
 from tf_topk.decoupled_momentum import DecoupledMomentumMemory  # noqa: E402
@@ -61,7 +61,8 @@ def test_the_plan_takes_the_first_measured_density_whose_exchange_is_ten_times_c
     for link, workers, entries in [("100mbit", 2, TEXT_MODEL), ("1gbit", 8, 12_609_546), ("10gbit", 2, TEXT_MODEL)]:
         plan = plan_for(workers, link, entries)
         density = plan.fixed_density()
-        assert density in DECOUPLED_DENSITIES and plan.density() == density
+        assert density in DECOUPLED_DENSITIES
+        assert plan.density() == (Plan.chunk_density() if plan.chunked() else density)
         dense_s, at_density = plan._predicted_steps(density)
         if density == DECOUPLED_DENSITIES[0]:  # 10x cheaper than dense, or 0.001 would not halve its time
             assert FIXED_DENSITY_SAVING * at_density <= dense_s or 2 * plan._predicted_steps(0.001)[1] > at_density
@@ -78,6 +79,29 @@ def test_the_plan_takes_the_first_measured_density_whose_exchange_is_ten_times_c
     assert stated.startswith("tf_topk autopilot (the stated link 100gbit, 2 replicas): every entry, dense")
     assert "density=0.01 (any fixed density) sparsifies anyway with decoupled momentum" in stated
     assert plan_for(2, "100mbit", TEXT_MODEL, decoupled=False).fixed_density() is None  # not Adam
+
+
+def test_at_0_001_on_all_gather_the_plan_sends_its_bytes_in_14_bit_entries():
+    """Eight workers at 1 Gbit/s on the wide MLP: decoupled momentum at 0.001's bytes, as the chunk route's
+    14-bit entries at 64 / 14 times the density; at 0.01, and where agreed indices are the route, 8-byte
+    pairs as before."""
+    from tf_topk.routes import FixedRouter
+
+    plan = plan_for(8, "1gbit", 12_609_546)
+    assert plan.fixed_density() == CHUNK_AT_DENSITY == 0.001 and plan.chunked()
+    assert plan.density() == pytest.approx(0.001 * 64 / 14) and plan.route() == "allgather_chunk"
+    router = plan.router()
+    assert isinstance(router, FixedRouter) and router.route(None, 8).name == "allgather_chunk"
+    assert plan.method() == ("decoupled momentum (DeMo) at density 0.00457 in 14-bit entries (the bytes of 0.001 "
+                             "in 8-byte pairs)")
+    line = dataclasses.replace(plan, link="1gbit").decision()
+    assert "allgather_chunk" in line and "exchange_mode='allgather' 8-byte pairs at 0.001" in line
+    for workers, link, entries in [(2, "100mbit", TEXT_MODEL), (16, "1gbit", 12_609_546)]:
+        other = plan_for(workers, link, entries)
+        assert not other.chunked() and other.density() == other.fixed_density()
+        assert other.route() in ("allgather", "allreduce")
+    assert plan_for(16, "1gbit", 12_609_546).fixed_density() == 0.001  # agreed indices there: not chunked
+    assert not plan_for(8, "1gbit", 12_609_546, decoupled=False).chunked()  # not Adam: an adaptive density
 
 
 @pytest.mark.parametrize("stated", ["argument", "environment"])
@@ -160,7 +184,8 @@ def test_advise_predicts_the_method_and_density_the_optimizer_takes(link, worker
         output = capsys.readouterr().out
     advice = json.loads(output)
     plan = plan_for(workers, link, params)
-    assert advice["method"] == plan.method() and advice["autopilot_density"] == plan.fixed_density()
+    assert advice["method"] == plan.method()
+    assert advice["autopilot_density"] == (None if plan.fixed_density() is None else plan.density())
     assert advice == {**advice, **{key: value for key, value in
                                    advise(CostModel.from_link(workers, link), params, decoupled=True).items()
                                    if key in ("method", "autopilot", "autopilot_density")}}

@@ -68,6 +68,11 @@ SPARSE_MUST_WIN_BY = 1.5
 # and 0.01 is the more accurate.
 DECOUPLED_DENSITIES = (0.01, 0.001)
 FIXED_DENSITY_SAVING = 10.0
+# At the last of them, where all_gather is the route, the plan sends the same bytes as 14-bit entries
+# (`exchange_mode="allgather_chunk"`: 64 / 14 times the entries, density 0.00457): with AdamW on both
+# texts that was more accurate on every seed of 8, and at 0.01's bytes less accurate, so 0.01 keeps
+# 8-byte pairs (benchmarks/RESULTS.md#each-sent-entry-in-14-bits-allgather_chunk).
+CHUNK_AT_DENSITY = DECOUPLED_DENSITIES[-1]
 # Set to 1, the chief prints the calibration's figures (`Plan.describe()`) under the decision's line.
 VERBOSE_ENV = "TF_TOPK_VERBOSE"
 # Densities `advise` tabulates.
@@ -132,14 +137,32 @@ class Plan:
                 return density
         return DECOUPLED_DENSITIES[-1]
 
+    def chunked(self):
+        """Whether decoupled momentum's fixed density is sent in 14-bit entries (the chunk route, at
+        `chunk_density()`): at CHUNK_AT_DENSITY, where all_gather would be its route."""
+        density = self.fixed_density()
+        return density == CHUNK_AT_DENSITY and \
+            self.model.sparse_route_at(max(1, self.entries), density, self.small_entries) == "allgather"
+
+    @staticmethod
+    def chunk_density(density=CHUNK_AT_DENSITY):
+        """The density of the chunk route's entries that sends the bytes of `density` in 8-byte pairs."""
+        from tf_topk.routes import ROUTES
+
+        return density * 64 / ROUTES["allgather_chunk"].slot_bits
+
     def method(self):
         """What runs, in words: "every entry, dense" (or dense_bf16), "decoupled momentum (DeMo) at
-        density D", or "top-k with error feedback at an adaptive density"."""
+        density D" (and in what entries, where not 8-byte pairs), or "top-k with error feedback at an
+        adaptive density"."""
         from tf_topk.methods import DECOUPLED, TOP_K
 
         dense = self.dense_route()
         if dense:
             return f"every entry, {dense}"
+        if self.chunked():
+            return (f"{DECOUPLED} at density {self.density():.3g} in 14-bit entries (the bytes of "
+                    f"{self.fixed_density():g} in 8-byte pairs)")
         if self.decoupled:
             return f"{DECOUPLED} at density {self.fixed_density():g}"
         return f"{TOP_K} at an adaptive density {MIN_DENSITY:g} to {self.max_density():.3g}"
@@ -147,19 +170,24 @@ class Plan:
     def route(self):
         """The route this plan's router takes for one bucket of every
         sparsifiable entry: `dense_route()`, or the sparse route predicted
-        fastest at TYPICAL_DENSITY (as `router()` settles it)."""
+        fastest at TYPICAL_DENSITY (as `router()` settles it), or "allgather_chunk" where `chunked()`."""
+        if self.chunked():
+            return "allgather_chunk"
         return self.dense_route() or self.model.sparse_route_at(max(1, self.entries),
                                                                 self.fixed_density() or TYPICAL_DENSITY,
                                                                 self.small_entries)
 
     def router(self):
         """A TimedRouter over the model (its sparse route settled at TYPICAL_DENSITY, or at decoupled
-        momentum's fixed density), or a FixedRouter of `dense_route()` where that holds."""
+        momentum's fixed density), or a FixedRouter of `dense_route()` where that holds, or of the chunk
+        route where `chunked()`."""
         from tf_topk.routes import ROUTES, FixedRouter, TimedRouter
 
         dense = self.dense_route()
         if dense:
             return FixedRouter(ROUTES[dense])
+        if self.chunked():
+            return FixedRouter(ROUTES["allgather_chunk"])
         return TimedRouter(self.model, self.small_entries, typical_density=self.fixed_density() or TYPICAL_DENSITY)
 
     def density(self, replicas=None):
@@ -177,6 +205,8 @@ class Plan:
 
         if self.dense_route():
             return 1.0
+        if self.chunked():
+            return self.chunk_density()
         if self.decoupled:
             return self.fixed_density()
         link = self.model.all_reduce
@@ -260,8 +290,9 @@ class Plan:
                     f"{', '.join(f'{d:g}' for d in DECOUPLED_DENSITIES)}, the first whose exchange is predicted "
                     f"{FIXED_DENSITY_SAVING:g}x faster than every entry's or not twice as slow as the next's), "
                     f"{self.route()}: {times}; density=D sets "
-                    "another fixed density, density=1.0 sends every entry, decoupled_momentum=False runs top-k in "
-                    "front of the inner optimizer at an adaptive density")
+                    "another fixed density, density=1.0 sends every entry, "
+                    + ("exchange_mode='allgather' 8-byte pairs at 0.001, " if self.chunked() else "")
+                    + "decoupled_momentum=False runs top-k in front of the inner optimizer at an adaptive density")
         return (f"tf_topk autopilot{link}: {self.route()}, adaptive density {MIN_DENSITY:g} to "
                 f"{self.max_density():.3g}: {times}; density=1.0 sends every entry, density=0.01 a fixed density, "
                 "TF_TOPK_VERBOSE=1 prints the calibration")
@@ -426,7 +457,8 @@ def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0, decouple
     dense and dense_bf16, "autopilot": `Plan.route()`, "autopilot_range":
     None where it sends every entry, else its density range, "method": what
     runs in words (`Plan.method`), "autopilot_density": the fixed density it
-    sends with decoupled momentum, else None}. Which density the autopilot
+    sends with decoupled momentum (of the chunk route's entries where
+    `Plan.chunked()`), else None}. Which density the autopilot
     runs at within an adaptive range depends on the gradients. decoupled: the
     inner optimizer is Adam or AdamW, which takes decoupled momentum at a
     fixed density where the plan sparsifies (`Plan.fixed_density`).
@@ -445,7 +477,8 @@ def advise(model, entries, densities=ADVISE_DENSITIES, small_entries=0, decouple
         choices[density] = model.choose(entries, k, small_entries=small_entries)
     return {"rows": rows, "choices": choices,
             "dense_end": model.choose(entries, 0, ("dense", "dense_bf16"), small_entries),
-            "autopilot": plan.route(), "method": plan.method(), "autopilot_density": plan.fixed_density(),
+            "autopilot": plan.route(), "method": plan.method(),
+            "autopilot_density": None if plan.fixed_density() is None else plan.density(),
             "autopilot_range": None if plan.dense_route() or decoupled else (MIN_DENSITY, plan.max_density())}
 
 

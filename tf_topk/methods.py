@@ -26,7 +26,8 @@ Case = collections.namedtuple("Case", ["optimizer", "density", "runs"])
 DEFAULT_METHODS = (
     Case("any", "none, where every entry is faster (one replica, a fast link, a small model)",
          f"{EVERY_ENTRY}, through the inner optimizer"),
-    Case("Adam or AdamW", "none, where the plan sparsifies", f"{DECOUPLED} at the plan's density, 0.01 or 0.001"),
+    Case("Adam or AdamW", "none, where the plan sparsifies",
+         f"{DECOUPLED} at the plan's density, 0.01, or 0.001's bytes in 14-bit entries"),
     Case("Adam or AdamW", f"{DECOUPLED_UP_TO_DENSITY:g} or less", DECOUPLED),
     Case("Adam or AdamW", f"above {DECOUPLED_UP_TO_DENSITY:g}, adaptive, or with amsgrad=True",
          f"{TOP_K} in front of the inner optimizer"),
