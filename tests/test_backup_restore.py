@@ -46,12 +46,12 @@ def digits():
     return (x[:SAMPLES] / 16.0).astype("float32"), y[:SAMPLES].astype("int32")
 
 
-def make_model(topk):
+def make_model(topk, exchange_mode="auto"):
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
     optimizer = keras.optimizers.SGD(0.3)
     if topk:
-        optimizer = tf_topk.TopKOptimizer(optimizer, density=0.05)
+        optimizer = tf_topk.TopKOptimizer(optimizer, density=0.05, exchange_mode=exchange_mode)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
@@ -109,16 +109,19 @@ def test_argument_errors(bad, message):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topk", [False, True], ids=["dense", "topk"])
+@pytest.mark.parametrize("topk, exchange_mode", [(False, "auto"), (True, "auto"), (True, "allgather_chunk")],
+                         ids=["dense", "topk", "topk-14-bit-entries"])
 @pytest.mark.parametrize("save_freq, resume_at", [("epoch", (2, 0)), (3, (2, 5))], ids=["epoch", "3-batches"])
-def test_resume_after_a_crash_ends_as_an_uninterrupted_run(topk, save_freq, resume_at, digits, tmp_path):
+def test_resume_after_a_crash_ends_as_an_uninterrupted_run(topk, exchange_mode, save_freq, resume_at, digits,
+                                                           tmp_path):
+    """The chunk route's residuals hold its rounding errors too: they come back with the rest."""
     backup_dir = tmp_path / "backup"
     with pytest.raises(RuntimeError, match="crash"):
-        fit(make_model(topk), digits, BackupAndRestore(backup_dir, save_freq=save_freq), FailAt(2, 5))
+        fit(make_model(topk, exchange_mode), digits, BackupAndRestore(backup_dir, save_freq=save_freq), FailAt(2, 5))
     # Epoch mode: the backup of epoch 2's end. Every 3 batches: batches 3, 6 | 1, 4, 7 | 2, 5 of epoch 2.
     assert load_json(backup_dir / METADATA_NAME)["epoch"] == resume_at[0]
 
-    model, backup, epochs = make_model(topk), BackupAndRestore(backup_dir, save_freq=save_freq), Epochs()
+    model, backup, epochs = make_model(topk, exchange_mode), BackupAndRestore(backup_dir, save_freq=save_freq), Epochs()
     history = fit(model, digits, backup, epochs)
     assert (backup.restored_epoch, backup.restored_batch) == resume_at
     assert epochs.begun == list(range(resume_at[0], EPOCHS))  # epochs already done are not redone
@@ -127,7 +130,7 @@ def test_resume_after_a_crash_ends_as_an_uninterrupted_run(topk, save_freq, resu
     assert not backup_dir.exists()  # deleted at the end of a successful fit
     assert model._initial_epoch is None  # a later fit() starts where it is asked to
 
-    reference = make_model(topk)
+    reference = make_model(topk, exchange_mode)
     fit(reference, digits, BackupAndRestore(tmp_path / "reference", save_freq=save_freq))
     assert_same_weights(model, reference)
 

@@ -342,23 +342,57 @@ def test_error_feedback_chunk_topk_refuses_bad_arguments_by_name():
 
 
 @pytest.mark.parametrize("value_bits", [2, 3, 4, 8])
-def test_error_feedback_chunk_topk_rounds_as_the_chunk_route_sends(value_bits):
+@pytest.mark.parametrize("quiet", [1e-3, 1e-7], ids=["own-grid", "member-grid"])
+def test_error_feedback_chunk_topk_rounds_as_the_chunk_route_sends(value_bits, quiet):
     """With value_bits the selected values come back on their chunk's grid (the numpy reference of the
-    route), the rounding errors stay in remaining, and a slot rounded to 0 is spare."""
+    route), the rounding errors stay in remaining, and a slot rounded to 0 is spare. A chunk `quiet`
+    times the others' scale: 1e-7 puts it more than 2**15 below its member's grid, so it rounds on the
+    coarsest grid its offset reaches, not its own."""
     from selection_reference import chunk_sent
 
     rng = np.random.default_rng(value_bits)
-    gradient = (rng.normal(size=9_000) * np.repeat([1.0, 1e-3, 30.0], [4096, 4096, 808])).astype(np.float32)
+    gradient = (rng.normal(size=9_000) * np.repeat([1.0, quiet, 30.0], [4096, 4096, 808])).astype(np.float32)
     out = ops.error_feedback_chunk_topk(tf.constant(gradient), tf.zeros([9_000]), 30, 4096, value_bits=value_bits)
     sent = np.zeros(9_000, np.float32)
     np.add.at(sent, out.indices.numpy(), out.values.numpy())
     np.testing.assert_array_equal(sent, chunk_sent(gradient, 90, value_bits))
-    np.testing.assert_allclose(out.remaining.numpy(), gradient - sent, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(out.remaining.numpy(), gradient - sent)  # each error exact in float32
     spare = out.values.numpy() == 0
     assert np.all(out.indices.numpy()[spare] == np.repeat([0, 4096, 8192], 30)[spare])
     np.testing.assert_allclose(out.stats.numpy()[1], np.sum((gradient - sent).astype(np.float64) ** 2), rtol=1e-6)
     with pytest.raises(ValueError, match=r"value_bits must be one of \(0, 2, 3, 4, 8\), got 5"):
         ops.error_feedback_chunk_topk(tf.constant(gradient), tf.zeros([9_000]), 30, 4096, value_bits=5)
+
+
+def test_error_feedback_chunk_topk_never_changes_a_remaining_it_handed_out_earlier():
+    """The op recycles its `remaining` buffers as the fused op does (cc/kernels/remaining_buffers.h): one
+    still held by a tensor or a variable is never written again, and a variable that takes each step's
+    buffer over holds the reference's residual."""
+    size, k = 50_000, 8
+    rng = np.random.default_rng(3)
+    residual = tf.Variable(rng.standard_normal(size).astype(np.float32))
+    before = residual.numpy().copy()
+    held = []
+    for _ in range(5):
+        out = ops.error_feedback_chunk_topk(tf.constant(rng.standard_normal(size).astype(np.float32)), residual, k,
+                                            4096, value_bits=2)
+        held.append((out.remaining, out.remaining.numpy().copy()))
+    np.testing.assert_array_equal(residual.numpy(), before)
+    for tensor, copy in held:
+        np.testing.assert_array_equal(tensor.numpy(), copy)
+
+    @tf.function
+    def step(gradient):
+        out = ops.error_feedback_chunk_topk(gradient, residual, k, 4096)
+        residual.assign(out.remaining)  # takes the buffer over
+        return out.values
+
+    expected = residual.numpy()
+    for _ in range(4):
+        gradient = rng.standard_normal(size).astype(np.float32)
+        _, _, expected = chunk_reference(gradient + expected, k, 4096)
+        step(tf.constant(gradient))
+        np.testing.assert_array_equal(residual.numpy(), expected)
 
 
 def rounded_bucket(value_bits, seed=0):
