@@ -153,3 +153,9 @@ def test_the_quarter_warm_ups_span_the_runs_first_quarter():
                                                                          "density_warmup_steps": 837}
     schedule = list(suite.CONFIGS["warmup-quarter-from-0.125"].options(0.001, 3350, 112)["density"])
     assert schedule[0] == (0, 0.125) and schedule[-1] == (837, 0.001) and len(schedule) == 5
+
+
+def test_the_chunk_wire_configuration_sends_the_defaults_bytes_in_14_bit_entries():
+    options = suite.CONFIGS["chunk-wire"].options(0.001, 3350, 112)
+    assert options["exchange_mode"] == "allgather_chunk"
+    assert options["density"] == pytest.approx(0.001 * 64 / 14)

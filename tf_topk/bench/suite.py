@@ -116,6 +116,12 @@ def _chunk_selector():
     return ChunkTopKSelector(1024)
 
 
+def _chunk_wire_density(density):
+    from tf_topk.autopilot import Plan
+
+    return Plan.chunk_density(density)
+
+
 def _rescaled_config():
     import tf_topk
 
@@ -175,6 +181,10 @@ CONFIGS = {
     "int8": Config("the default's bytes in 4-byte pairs: density 2d on exchange_mode='allgather_int8' (values in "
                    "8 bits, the rounding error kept)",
                    lambda d, steps, epoch: {"density": 2 * d, "exchange_mode": "allgather_int8"}),
+    "chunk-wire": Config("the default's bytes in 14-bit entries: density d * 64 / 14 on "
+                         "exchange_mode='allgather_chunk' (2-bit values on each chunk's grid, the rounding error kept)",
+                         lambda d, steps, epoch: {"density": _chunk_wire_density(d),
+                                                  "exchange_mode": "allgather_chunk"}),
     "dct": Config("the default with the residual in DCT blocks of 64 (decoupled momentum's transform and decay "
                   "0.999) and the decoded sum the inner optimizer's gradient",
                   lambda d, steps, epoch: {"density": d, "memory": _dct_error_feedback()}),
