@@ -103,6 +103,25 @@ def test_prose_corpus_is_english_from_the_docstrings_and_unlike_the_python_corpu
         text.load_corpus("text", limit=10**9)  # a corpus that cannot fill the task is refused, not cut short
 
 
+def test_the_reference_corpus_is_pydocs_topics_whole_and_small_enough_for_several_passes():
+    import pydoc_data.topics
+
+    reference = text.load_corpus("reference")
+    topics = pydoc_data.topics.topics
+    data = reference.tobytes()
+    assert data == "".join(topics[name] for name in sorted(topics)).encode("utf-8")  # whole, in the names' order
+    assert 100_000 < len(data) < 1 << 20 and not reference.flags.writeable
+    assert data.count(b" the ") > 2_000 and b"The \"assert\" statement" in data
+    # A run of 2,000 steps of 32 windows reads several times its training bytes.
+    assert 2000 * 32 * text.CONTEXT / text.split_point(reference) > 4
+    described = text.describe_corpus("reference")
+    assert described["sha256"] == hashlib.sha256(data).hexdigest() and described["bytes"] == len(data)
+    assert "pydoc_data.topics" in described["source"]
+    np.testing.assert_array_equal(text.load_corpus("reference", limit=1000), reference[:1000])
+    prose, python = text.load_corpus("prose").tobytes(), text.load_corpus("text").tobytes()
+    assert data[:4096] not in (prose[:4096], python[:4096])
+
+
 def test_windows_are_the_corpus_bytes_and_targets_the_next_byte():
     corpus = text.load_corpus()
     starts = np.array([0, 17, len(corpus) - text.CONTEXT - 1])
@@ -174,7 +193,7 @@ def test_evaluation_interval_divides_the_steps_into_about_16_evaluations():
     (("--methods", "topk_mc", "--optimizer", "sgd", "--momentum", "0"), "topk_mc .* needs --momentum > 0"),
     (("--epochs", "3"), "--dataset text trains for --steps, not --epochs"),
     (("--steps", "100", "--eval-every", "30"), r"--eval-every must be >= 1 and divide --steps \(100\), got 30"),
-    (("--model", "mlp"), "--model transformer goes with --dataset text or prose and only with them"),
+    (("--model", "mlp"), "--model transformer goes with --dataset text, prose or reference and only with them"),
     (("--adaptive",), "--adaptive .* not with --dataset text"),
     (("--methods", "demo", "--optimizer", "sgd"), "demo .* is for --optimizer adam or adamw, got --optimizer sgd"),
 ])
@@ -198,7 +217,7 @@ def test_steps_are_only_for_the_text_task(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dataset", text.LANGUAGE_DATASETS)
+@pytest.mark.parametrize("dataset", ["text", "reference"])  # prose's corpus is read as the loader test reads it
 def test_tiny_text_run_reports_validation_loss_per_byte(capsys, dataset):
     from tf_topk.bench import convergence
 

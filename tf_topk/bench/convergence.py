@@ -735,20 +735,22 @@ def parse_args(argv=None):
                         help="shapes: 16x16 images, signals: 1-D waveforms (both generated); colors, sequences, "
                              "ratings: the task suite's validation half (generated; tf_topk.bench.data); text: next-byte "
                              "prediction on the Python standard library's source; prose: on the English docstrings "
-                             "of numpy and scikit-learn (to confirm on, not to tune on)")
+                             "of numpy and scikit-learn; reference: on pydoc's topics of the Python Language Reference, "
+                             "a small corpus read for several passes (prose and reference to confirm on, not to tune "
+                             "on)")
     parser.add_argument("--model", choices=(*MODELS_OF, "mlp", "transformer"), default=None,
                         help="default: cnn for shapes, cnn1d for signals, cnn_rgb for colors, gru for sequences, "
-                             "embedding for ratings (the only model for those three), transformer for text and "
-                             "prose (the only model for them), mlp otherwise")
+                             "embedding for ratings (the only model for those three), transformer for text, "
+                             "prose and reference (the only model for them), mlp otherwise")
     parser.add_argument("--densities", type=cli.densities, default=[0.1, 0.01, 0.001])
     parser.add_argument("--methods", type=cli.names_among("methods", METHODS), default=list(DEFAULT_METHODS),
                         help=f"comma-separated, among {','.join(METHODS)} (dense always runs)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=None, help="default 30 (not with --dataset text or prose)")
+    parser.add_argument("--epochs", type=int, default=None, help="default 30 (not with --dataset text, prose or reference)")
     parser.add_argument("--steps", type=int, default=None,
-                        help="--dataset text or prose: optimizer steps in all (default 800)")
+                        help="--dataset text, prose or reference: optimizer steps in all (default 800)")
     parser.add_argument("--eval-every", type=int, default=None,
-                        help="--dataset text or prose: steps between validation losses, a divisor of --steps "
+                        help="--dataset text, prose or reference: steps between validation losses, a divisor of --steps "
                              "(default: the one nearest 16 evaluations)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--hidden", type=lambda t: [int(v) for v in t.split(",")], default=[256, 256],
@@ -769,7 +771,7 @@ def parse_args(argv=None):
     parser.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
     parser.add_argument("--warmup-epochs", type=int, default=0,
                         help="DGC density warm-up over this many epochs for the sparse methods "
-                             "(tf_topk.schedule.dgc_warmup; --dataset text or prose: evaluation intervals); "
+                             "(tf_topk.schedule.dgc_warmup; --dataset text, prose or reference: evaluation intervals); "
                              "0: the density from the first step")
     parser.add_argument("--density-warmup-steps", type=cli.density_warmup_steps, default="auto",
                         help="without --warmup-epochs, " + cli.DENSITY_WARMUP_HELP)
@@ -874,7 +876,7 @@ def parse_args(argv=None):
     if args.model in ("cnn_rgb", "gru", "embedding") and DATASET_MODELS.get(args.dataset) != args.model:
         parser.error(f"--model {args.model} is --dataset {MODELS_OF[args.model]}'s, got --dataset {args.dataset}")
     if (args.model == "transformer") != (args.dataset in text.LANGUAGE_DATASETS):
-        parser.error(f"--model transformer goes with --dataset text or prose and only with them, "
+        parser.error(f"--model transformer goes with --dataset text, prose or reference and only with them, "
                      f"got --model {args.model} --dataset {args.dataset}")
     if args.layers < 1 or args.width < 4 or args.width % 4:
         parser.error(f"--layers must be >= 1 and --width a multiple of 4, got {args.layers} and {args.width}")

@@ -17,8 +17,8 @@ classes, a recurrent classifier, an embedding model), on which nothing is tuned.
 
 import sys
 
-DATASETS = ("digits", "synthetic", "shapes", "signals", "colors", "sequences", "ratings", "text", "prose", "mnist",
-            "cifar10")
+DATASETS = ("digits", "synthetic", "shapes", "signals", "colors", "sequences", "ratings", "text", "prose",
+            "reference", "mnist", "cifar10")
 # The generated tasks of the suite's validation half (`make_colors`, `make_sequences`, `make_ratings`).
 VALIDATION_DATASETS = ("colors", "sequences", "ratings")
 
@@ -248,12 +248,13 @@ def load_data(name, seed=0):
     signals are sequences of 64 (reshape to (64, 1) for a 1-D CNN); colors are
     16x16x3 images, flattened; sequences 30 token ids and ratings (user, item)
     ids, as float32.
-    text (Python source) and prose (English docstrings) give int32 byte windows
+    text (Python source), prose (English docstrings) and reference (pydoc's
+    topics of the Python Language Reference, a small corpus) give int32 byte windows
     [n, 64] and their next-byte targets [n, 64]: training windows drawn at random
     (`seed`) before the held-out tail, the test set fixed windows in it
     (`tf_topk.bench.text.load_text`).
     """
-    if name in ("text", "prose"):
+    if name in ("text", "prose", "reference"):
         from tf_topk.bench.text import load_text
 
         return load_text(seed, corpus=name)

@@ -1,4 +1,4 @@
-"""The convergence benchmark's language-model tasks: next-byte prediction on two corpora of other kinds.
+"""The convergence benchmark's language-model tasks: next-byte prediction on three corpora of other kinds.
 
 `text` (the development task, on which methods are chosen) is Python source:
 the standard library's own `.py` files, which ship with every Python, so the
@@ -18,7 +18,14 @@ sources with `ast` (nothing is imported), package by package and file by file
 in sorted order, without their test suites, examples run as doctests
 (`>>>` lines and the output under them) or fenced code blocks.
 
-Of either corpus the last `HELD_OUT` is held out for validation;
+`reference` (a second task to confirm on) is small, so a run sees it for
+several passes: the Python Language Reference's topics as `help()` shows
+them (the `pydoc_data.topics` module of the standard library, about 466 KB
+of English with grammar rules and short examples), topic after topic in
+sorted order of their names, whole (`CORPUS_LIMITS`). 2,000 steps of 32
+windows read about nine times its bytes.
+
+Of each corpus the last `HELD_OUT` is held out for validation;
 `describe_corpus` gives its hash and where it came from. A sample is
 `CONTEXT` bytes (token ids 0..255) and its target the same window shifted by
 one byte, so the loss is the cross-entropy of each next byte in nats (ln 256 =
@@ -45,8 +52,10 @@ VAL_WINDOWS = 256
 SPLIT_OFF = ("test", "tests", "idle_test", "idlelib", "tkinter", "turtledemo", "lib2to3", "distutils", "ensurepip")
 SKIPPED = frozenset(("site-packages", "dist-packages", "__pycache__", "encodings", "pydoc_data") + SPLIT_OFF)
 BUILD_PREFIXES = ("_sysconfigdata", "config-")
-# The corpora, by the name `--dataset` gives them: `text` to develop on, `prose` to confirm on.
-LANGUAGE_DATASETS = ("text", "prose")
+# The corpora, by the name `--dataset` gives them: `text` to develop on, `prose` and `reference` to confirm on.
+LANGUAGE_DATASETS = ("text", "prose", "reference")
+# The bytes each corpus gives a task: its first CORPUS_BYTES, or all of it (None) for the small one.
+CORPUS_LIMITS = {"text": CORPUS_BYTES, "prose": CORPUS_BYTES, "reference": None}
 # (import name, distribution name) of the packages whose docstrings make `prose`.
 PROSE_PACKAGES = (("numpy", "numpy"), ("sklearn", "scikit-learn"), ("keras", "keras"))
 PROSE_SKIPPED = frozenset(("tests", "test", "testing", "__pycache__", "_vendor", "externals", "_build_utils"))
@@ -119,6 +128,8 @@ def _corpus_files(corpus):
         return [("the standard library", path, _read_bytes) for path in stdlib_sources()]
     if corpus == "prose":
         return [(package, path, _read_prose) for package, _ in PROSE_PACKAGES for path in package_sources(package)]
+    if corpus == "reference":
+        return [("pydoc_data", REFERENCE_MODULE, _read_reference)]
     raise ValueError(f"corpus must be one of {LANGUAGE_DATASETS}, got {corpus!r}")
 
 
@@ -132,23 +143,35 @@ def _read_prose(path):
     return prose + b"\n\n" if prose else b""
 
 
-def load_corpus(corpus="text", limit=CORPUS_BYTES):
+REFERENCE_MODULE = "pydoc_data.topics"
+
+
+def _read_reference(module):
+    """The topics of `module` (pydoc's dict of topic name to text) in sorted order of their names."""
+    topics = importlib.import_module(module).topics
+    return "".join(topics[name] for name in sorted(topics)).encode("utf-8")
+
+
+def load_corpus(corpus="text", limit="task"):
     """The first `limit` bytes of `corpus` ("text": the standard library's sources; "prose": the docstrings
-    of `PROSE_PACKAGES`), as a read-only uint8 array, read once per process."""
-    return _read_corpus(corpus, limit)[0]
+    of `PROSE_PACKAGES`; "reference": pydoc's topics), as a read-only uint8 array, read once per process.
+    limit "task": the task's (`CORPUS_LIMITS`); None: the whole corpus."""
+    if corpus not in LANGUAGE_DATASETS:
+        raise ValueError(f"corpus must be one of {LANGUAGE_DATASETS}, got {corpus!r}")
+    return _read_corpus(corpus, CORPUS_LIMITS[corpus] if limit == "task" else limit)[0]
 
 
-@functools.lru_cache(maxsize=2)
+@functools.lru_cache(maxsize=3)
 def _read_corpus(corpus, limit):
-    """(the corpus's bytes, the packages they came from)."""
+    """(the corpus's bytes, the packages they came from); limit None: all of them."""
     chunks, packages, size = [], {}, 0
     for package, path, read in _corpus_files(corpus):
-        chunks.append(read(path)[:limit - size])
+        chunks.append(read(path) if limit is None else read(path)[:limit - size])
         packages[package] = True
         size += len(chunks[-1])
-        if size >= limit:
+        if limit is not None and size >= limit:
             break
-    if size < limit:
+    if limit is not None and size < limit:
         raise RuntimeError(f"the {corpus} corpus has {size:,} bytes, fewer than the task's {limit:,}")
     data = np.frombuffer(b"".join(chunks), np.uint8)
     data.flags.writeable = False
@@ -189,8 +212,12 @@ def describe_corpus(corpus="text"):
     if corpus == "text":
         origin = {"source": "the Python standard library's .py files in sorted order (tf_topk.bench.text)",
                   "python": platform.python_version()}
+    elif corpus == "reference":
+        origin = {"source": f"the Python Language Reference's topics ({REFERENCE_MODULE}) in sorted order of their "
+                            "names (tf_topk.bench.text)",
+                  "python": platform.python_version()}
     else:
-        read = _read_corpus(corpus, CORPUS_BYTES)[1]
+        read = _read_corpus(corpus, CORPUS_LIMITS[corpus])[1]
         used = [(name, dist) for name, dist in PROSE_PACKAGES if name in read]
         origin = {"source": "the docstrings of " + ", ".join(name for name, _ in used)
                             + " without doctests or code blocks (tf_topk.bench.text)",
