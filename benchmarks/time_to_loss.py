@@ -5,6 +5,8 @@ default's density warm-up (benchmarks/RESULTS.md, "Decoupled momentum for AdamW 
 
     python benchmarks/time_to_loss.py CURVES.jsonl E2E.json --variant demo:warm=auto --density 0.01 \\
         --dataset text --steps 2000 --target-step 800
+    python benchmarks/time_to_loss.py CURVES.jsonl E2E.json --variant default:mode=allgather_chunk \\
+        --density 0.00456 --exchange-mode allgather_chunk --dataset prose
 
 The e2e run must hold "dense" and "topk:D" for every density of the warm-up (`warmup_densities`
 prints them); a step at a density the run lacks is an error, never a guess. Dense's time is
@@ -53,21 +55,32 @@ def seconds_for(steps, schedule, step_seconds):
     return total
 
 
-def e2e_step_seconds(e2e, densities):
+def e2e_step_seconds(e2e, densities, exchange_mode=None):
     """{density: median step seconds} for `densities` and {"dense": ...} from an e2e JSON result (a
-    configuration named within 1% of a density is its: e2e names them as given, to 3 digits)."""
+    configuration named within 1% of a density is its: e2e names them as given, to 3 digits), of
+    `exchange_mode`'s configurations (`topk:<d>@<mode>`) where one is given, else of `topk:<d>`."""
     rows = {row["config"]: row["step_time_s"] for row in e2e["configs"]}
     if "dense" not in rows:
         raise ValueError("the e2e result has no 'dense' configuration")
     found = {"dense": rows["dense"]}
     for density in densities:
-        key = next((name for name in rows if name.startswith("topk:") and
-                    abs(float(name.split(":")[1]) - density) <= 0.01 * density), None)
+        key = next((name for name in rows if _is_topk_at(name, density, exchange_mode)), None)
         if key is None:
-            raise ValueError(f"the e2e result has no configuration at density {density:.3g} (has: {sorted(rows)}); "
-                             f"run e2e with --densities {','.join(f'{d:.3g}' for d in densities)}")
+            modes = "" if exchange_mode is None else f" --exchange-modes {exchange_mode}"
+            raise ValueError(f"the e2e result has no configuration at density {density:.3g}"
+                             f"{'' if exchange_mode is None else ' on ' + exchange_mode} (has: {sorted(rows)}); "
+                             f"run e2e with --densities {','.join(f'{d:.3g}' for d in densities)}{modes}")
         found[density] = rows[key]
     return found
+
+
+def _is_topk_at(name, density, exchange_mode):
+    """Whether e2e's configuration `name` is top-k within 1% of `density` on `exchange_mode` (None: the
+    configuration names no mode)."""
+    if not name.startswith("topk:"):
+        return False
+    named_density, _, mode = name.split(":", 1)[1].partition("@")
+    return (mode or None) == exchange_mode and abs(float(named_density) - density) <= 0.01 * density
 
 
 def dense_loss_at(runs, dataset, seed, step):
@@ -84,12 +97,13 @@ def dense_loss_at(runs, dataset, seed, step):
 
 
 def time_to_loss(runs, e2e, variant, density, dataset, steps, target_step,
-                 warmup_steps=DEFAULT_DENSITY_WARMUP_STEPS):
+                 warmup_steps=DEFAULT_DENSITY_WARMUP_STEPS, exchange_mode=None):
     """Rows per seed: (seed, dense loss at target_step, steps the variant's run of `steps` steps took
     to reach it, dense seconds, variant seconds or None where its curve never reached the loss); the
-    variant's steps along a density warm-up of `warmup_steps` (0: none)."""
+    variant's steps along a density warm-up of `warmup_steps` (0: none), each timed on
+    `exchange_mode` (None: e2e's configurations that name no mode)."""
     schedule = warmup_densities(density, warmup_steps)
-    step_seconds = e2e_step_seconds(e2e, [d for _, d in schedule])
+    step_seconds = e2e_step_seconds(e2e, [d for _, d in schedule], exchange_mode)
     rows = []
     for r in sorted(runs, key=lambda r: r["seed"]):
         if (r["variant"], r["density"], r["dataset"], r["steps"], r.get("replicas", 1)) != \
@@ -115,6 +129,9 @@ def main(argv):
     parser.add_argument("--target-step", type=int, default=800, help="dense's loss at this step is the target")
     parser.add_argument("--warmup-steps", type=int, default=DEFAULT_DENSITY_WARMUP_STEPS,
                         help="the variant's density warm-up (default the library's; a variant's warm=N: N)")
+    parser.add_argument("--exchange-mode", default=None,
+                        help="time the variant's steps on e2e's topk:<d>@MODE configurations (the variant's mode, "
+                             "e.g. allgather_chunk for default:mode=allgather_chunk)")
     args = parser.parse_args(argv)
     with open(args.curves) as lines:
         runs = [json.loads(line) for line in lines if line.strip()]
@@ -123,7 +140,7 @@ def main(argv):
     if args.warmup_steps < 0:
         parser.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
     rows = time_to_loss(runs, e2e, args.variant, args.density, args.dataset, args.steps, args.target_step,
-                        args.warmup_steps)
+                        args.warmup_steps, args.exchange_mode)
     if not rows:
         raise SystemExit(f"no seed of {args.variant} at {args.density:g} paired with dense in {args.curves}")
     for seed, target, reached, dense_s, variant_s in rows:

@@ -72,3 +72,16 @@ def test_dense_loss_at_a_step_comes_from_a_run_evaluated_there():
     assert time_to_loss.dense_loss_at(runs, "text", 0, 800) == 15.0  # the 800-step run's last (every 50)
     assert time_to_loss.dense_loss_at(runs, "text", 0, 1000) == 7.0  # the 2000-step run's 8th (every 125)
     assert time_to_loss.dense_loss_at(runs, "text", 0, 900) is None and time_to_loss.dense_loss_at(runs, "prose", 0, 800) is None
+
+
+def test_an_exchange_modes_steps_are_timed_on_its_own_configurations():
+    """`--exchange-mode allgather_chunk` times the steps on e2e's topk:<d>@allgather_chunk rows, never
+    on the same density's 8-byte pairs, and refuses a run that lacks them."""
+    densities = [d for _, d in time_to_loss.warmup_densities(0.00456)]
+    e2e = _e2e(densities, sparse_s=0.5)
+    e2e["configs"] += [{"config": f"topk:{d:.3g}@allgather_chunk", "step_time_s": 0.1} for d in densities]
+    assert time_to_loss.e2e_step_seconds(e2e, densities)[0.00456] == 0.5
+    assert time_to_loss.e2e_step_seconds(e2e, densities, "allgather_chunk")[0.00456] == 0.1
+    with pytest.raises(ValueError, match=r"no configuration at density 0\.25 on allgather_int8 .*"
+                                         r"--exchange-modes allgather_int8"):
+        time_to_loss.e2e_step_seconds(e2e, densities, "allgather_int8")
