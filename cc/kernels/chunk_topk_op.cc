@@ -1,8 +1,7 @@
 // The chunk-wise error-feedback selection (ErrorFeedbackChunkTopK) on the CPU:
 // the chunks run in parallel on the intra-op pool, each read once for its sums,
 // then, in cache, for the entries above a threshold guessed from a sample, of which
-// a partial sort keeps the k largest; those are zeroed in `remaining` (with
-// value_bits, rounded on the chunk's grid and their errors kept there). The
+// a partial sort keeps the k largest; those are zeroed in `remaining`. The
 // statistics are summed per chunk, then over chunks in order, so they do not
 // depend on the number of threads. No GPU kernel: the exchange selects
 // chunk-wise with TensorFlow's own top_k there (tf_topk/routes/chunked.py).
@@ -76,44 +75,6 @@ Key SampledKey(const R* x, int64_t begin, int64_t end, double wanted) {
   return taken > rank ? std::max(keys[rank], Key{1}) : 1u;
 }
 
-// A selected value rounded to c * unit, c in [-levels, levels].
-template <typename R>
-R Rounded(R value, double unit, int levels) {
-  const double code = std::min<double>(levels, std::max<double>(-levels, std::nearbyint(static_cast<double>(value) /
-                                                                                       unit)));
-  return static_cast<R>(code * unit);
-}
-
-// Each selected value's rounding error on 2**step written back into
-// `remaining` at its entry (zeroed by the selection), while the chunk is still
-// in cache; the values and indices are left as they are (`TakeRounded` rounds
-// them once the member's exponent is known). Returns the errors' squares.
-template <typename R>
-double KeepRoundingErrors(const R* values, const int32_t* indices, int64_t count, int step, int levels,
-                          R* remaining) {
-  const double unit = std::ldexp(1.0, step);
-  double error_squares = 0.0;
-  for (int64_t j = 0; j < count; ++j) {
-    if (values[j] == R(0)) continue;  // a spare slot
-    const R error = values[j] - Rounded(values[j], unit, levels);
-    remaining[indices[j]] = error;
-    error_squares += static_cast<double>(error) * static_cast<double>(error);
-  }
-  return error_squares;
-}
-
-// The chunk's values rounded on 2**step, a slot that rounds to 0 pointing at
-// the chunk's start (its error already in `remaining`).
-template <typename R>
-void TakeRounded(R* values, int32_t* indices, int64_t count, int step, int levels, int32_t start) {
-  const double unit = std::ldexp(1.0, step);
-  for (int64_t j = 0; j < count; ++j) {
-    if (values[j] == R(0)) continue;
-    values[j] = Rounded(values[j], unit, levels);
-    if (values[j] == R(0)) indices[j] = start;
-  }
-}
-
 // Chunk [begin, end): accumulated into remaining, its k largest finite
 // non-zero magnitudes into slots (values, indices), zeroed in remaining;
 // partial statistics into stats[0:3]. The fused op's passes read the chunk
@@ -124,15 +85,10 @@ void TakeRounded(R* values, int32_t* indices, int64_t count, int step, int level
 // candidates are the chunk's k best whatever the guess, which only decides
 // how many entries the partial sort sees. (A guess from the root mean square,
 // as if the entries were normal, kept thousands of candidates a chunk once
-// error feedback had flattened the distribution.) With levels, the chunk's
-// grid exponent and each selected value's rounding error on it go into
-// `remaining` now, while the chunk is in cache: written after every chunk, at
-// random entries of a residual far larger than the cache, they cost a miss
-// each.
+// error feedback had flattened the distribution.)
 template <typename T, typename R>
-void SelectChunk(const T* gradient, const R* residual, int64_t begin, int64_t end, int64_t k, int levels,
-                 std::vector<cpu::Candidate<R>>* kept, R* values, int32_t* indices, R* remaining, int* exponent,
-                 double* rounding_squares, double* stats) {
+void SelectChunk(const T* gradient, const R* residual, int64_t begin, int64_t end, int64_t k,
+                 std::vector<cpu::Candidate<R>>* kept, R* values, int32_t* indices, R* remaining, double* stats) {
   cpu::BlockSums sums;
   cpu::AccumulateChunk(gradient, residual, begin, end, /*low_key=*/0u, remaining, &sums);
   for (int attempt = 0;; ++attempt) {
@@ -166,10 +122,29 @@ void SelectChunk(const T* gradient, const R* residual, int64_t begin, int64_t en
   stats[0] = accumulated_squares;
   stats[1] = std::max(0.0, accumulated_squares - selected_squares);
   stats[2] = static_cast<double>(non_finite);
-  if (levels > 0) {  // rounded on the chunk's own grid, the errors kept while the chunk is in cache
-    *exponent = ChunkExponent(values, k, levels);
-    *rounding_squares = KeepRoundingErrors(values, indices, k, *exponent, levels, remaining);
+}
+
+// The chunk's selected values rounded to c * 2**step, c in [-levels, levels]:
+// the values become the rounded ones, each rounding error goes back into
+// `remaining` at its entry (zeroed by the selection), a slot that rounds to 0
+// points at the chunk's start; returns the sum of the errors' squares.
+template <typename R>
+double RoundChunk(R* values, int32_t* indices, int64_t count, int step, int levels, int32_t start,
+                  R* remaining) {
+  const double unit = std::ldexp(1.0, step);
+  double error_squares = 0.0;
+  for (int64_t j = 0; j < count; ++j) {
+    const double value = static_cast<double>(values[j]);
+    if (value == 0.0) continue;  // a spare slot
+    const double code = std::min<double>(levels, std::max<double>(-levels, std::nearbyint(value / unit)));
+    const R rounded = static_cast<R>(code * unit);
+    const R error = values[j] - rounded;
+    remaining[indices[j]] = error;
+    error_squares += static_cast<double>(error) * static_cast<double>(error);
+    values[j] = rounded;
+    if (rounded == R(0)) indices[j] = start;
   }
+  return error_squares;
 }
 
 }  // namespace
@@ -220,35 +195,33 @@ class ErrorFeedbackChunkTopKOp : public OpKernel {
     int32_t* idx = indices->flat<int32_t>().data();
     R* rem = remaining->flat<R>().data();
     std::vector<double> partial(3 * chunks, 0.0);
-    // With levels: each chunk's grid exponent and its rounding errors' squares on that grid.
-    std::vector<int> exponents(levels_ > 0 ? chunks : 0);
-    std::vector<double> rounding_squares(levels_ > 0 ? chunks : 0, 0.0);
     const int64_t chunk = chunk_;
-    const int levels = levels_;
     auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
     pool->ParallelFor(chunks, 8 * chunk, [&](int64_t first, int64_t last) {
       std::vector<cpu::Candidate<R>> candidates;
       candidates.reserve(chunk);
       for (int64_t c = first; c < last; ++c) {
-        SelectChunk(g, r, c * chunk, std::min(n, (c + 1) * chunk), k, levels, &candidates, v + c * k, idx + c * k,
-                    rem, levels > 0 ? &exponents[c] : nullptr, levels > 0 ? &rounding_squares[c] : nullptr,
-                    partial.data() + 3 * c);
+        SelectChunk(g, r, c * chunk, std::min(n, (c + 1) * chunk), k, &candidates, v + c * k, idx + c * k,
+                    rem, partial.data() + 3 * c);
       }
     });
-    if (levels > 0 && chunks > 0) {
-      // The member's exponent e_m (the chunks' largest): a chunk rounds on 2**(e_m - offset), its own
-      // grid unless it lies more than 2**15 below e_m, where its errors are kept again on the coarser one.
-      const int member = *std::max_element(exponents.begin(), exponents.end());
+    if (levels_ > 0 && chunks > 0) {
+      // The grid: each chunk's exponent, the member's (their largest), then each chunk rounded on
+      // 2**(member - offset), its errors back in `remaining`.
+      std::vector<int> exponents(chunks);
       pool->ParallelFor(chunks, 4 * k, [&](int64_t first, int64_t last) {
+        for (int64_t c = first; c < last; ++c) exponents[c] = ChunkExponent(v + c * k, k, levels_);
+      });
+      const int member = *std::max_element(exponents.begin(), exponents.end());  // e_m
+      std::vector<double> error_squares(chunks, 0.0);
+      pool->ParallelFor(chunks, 8 * k, [&](int64_t first, int64_t last) {
         for (int64_t c = first; c < last; ++c) {
           const int step = member - ChunkOffset(member, exponents[c]);
-          if (step != exponents[c]) {
-            rounding_squares[c] = KeepRoundingErrors(v + c * k, idx + c * k, k, step, levels, rem);
-          }
-          TakeRounded(v + c * k, idx + c * k, k, step, levels, static_cast<int32_t>(c * chunk));
+          error_squares[c] = RoundChunk(v + c * k, idx + c * k, k, step, levels_,
+                                        static_cast<int32_t>(c * chunk), rem);
         }
       });
-      for (int64_t c = 0; c < chunks; ++c) partial[3 * c + 1] += rounding_squares[c];
+      for (int64_t c = 0; c < chunks; ++c) partial[3 * c + 1] += error_squares[c];
     }
     double* s = stats->flat<double>().data();
     s[0] = s[1] = s[2] = 0.0;
