@@ -242,7 +242,7 @@ def _scripted_trial(monkeypatch, ratios, decide_at):
         ratio = next(sets)
         return [[1.0] * repeats, [1.0 / ratio] * repeats]
 
-    monkeypatch.setattr(calibrate, "_interleaved_times", interleaved)
+    monkeypatch.setattr(calibrate, "interleaved_times", interleaved)
     monkeypatch.setattr(calibrate, "slowest", lambda strategy, values: list(values))
     monkeypatch.setattr(calibrate, "_collective", lambda strategy, kind: None)
     monkeypatch.setattr(calibrate, "_of_size", lambda function, size: None)
@@ -558,18 +558,18 @@ def test_a_latency_bound_size_takes_the_fewest_calls_and_one_that_does_not_fit_s
 
 
 def test_rounds_stop_where_the_next_would_overrun_their_time_and_one_always_runs():
-    """The compute's timing is bounded (`_interleaved_times`' within_s): this worker's own rounds, at
+    """The compute's timing is bounded (`interleaved_times`' within_s): this worker's own rounds, at
     least one, never one that would end past the bound."""
-    from tf_topk.calibrate import _interleaved_times
+    from tf_topk.calibrate import interleaved_times
 
     def call():
         time.sleep(0.02)
         return tf.constant(0.0)
 
-    assert [len(t) for t in _interleaved_times([call, call], 4)] == [4, 4]
+    assert [len(t) for t in interleaved_times([call, call], 4)] == [4, 4]
     # The untimed calls take 40 ms and a round 40 ms: a second round would end past 0.1 s.
-    assert [len(t) for t in _interleaved_times([call, call], 4, within_s=0.1)] == [1, 1]
-    assert [len(t) for t in _interleaved_times([call], 4, within_s=0.001)] == [1]
+    assert [len(t) for t in interleaved_times([call, call], 4, within_s=0.1)] == [1, 1]
+    assert [len(t) for t in interleaved_times([call], 4, within_s=0.001)] == [1]
 
 
 @pytest.mark.slow

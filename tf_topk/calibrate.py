@@ -332,10 +332,10 @@ def _time_steps(strategy, model, entries, small_entries, trial_density, trial_ma
         steps = [dense_step, _sparse_step(strategy, inputs, k, depth(k / entries))]
         if k_max is not None and k_max > k:
             steps.append(_sparse_step(strategy, inputs, k_max, depth(k_max / entries)))
-        times = _interleaved_times(steps, rounds)
+        times = interleaved_times(steps, rounds)
         timed = slowest(strategy, paired_medians(times))  # agreed: every worker takes the same branch
         if decide_at is not None and is_close_trial(timed[0] / timed[1], decide_at):
-            more = _interleaved_times(steps, rounds, warm_up=False)
+            more = interleaved_times(steps, rounds, warm_up=False)
             times = [first + again for first, again in zip(times, more)]
             timed = slowest(strategy, paired_medians(times))
         dense_s, sparse_s, *more = timed
@@ -438,15 +438,15 @@ def _seconds_of(function):
 
 
 def _median_call(function, repeats, within_s=None):
-    """Median seconds of up to `repeats` calls, after one that traces (`_interleaved_times`)."""
-    return statistics.median(_interleaved_times([function], repeats, within_s)[0])
+    """Median seconds of up to `repeats` calls, after one that traces (`interleaved_times`)."""
+    return statistics.median(interleaved_times([function], repeats, within_s)[0])
 
 
 def interleaved_medians(functions, repeats):
     """Median seconds of each function over `repeats` rounds that call every
     function once in turn, after one call of each that traces: whatever else
     the machine runs meanwhile falls on all of them alike, not on one."""
-    return [statistics.median(seconds) for seconds in _interleaved_times(functions, repeats)]
+    return [statistics.median(seconds) for seconds in interleaved_times(functions, repeats)]
 
 
 def paired_with_the_first(functions, repeats):
@@ -456,7 +456,7 @@ def paired_with_the_first(functions, repeats):
     calls of it and drops out of their ratio; separate medians let such bursts
     decide a close trial (the digits MLP's sparse step read 0.93x to 2.19x as fast
     as the dense one in ten runs of one script on an idle machine)."""
-    return paired_medians(_interleaved_times(functions, repeats))
+    return paired_medians(interleaved_times(functions, repeats))
 
 
 def paired_medians(times):
@@ -468,17 +468,17 @@ def paired_medians(times):
 
 
 def median_difference(function, baseline, repeats, within_s=None):
-    """Median over up to `repeats` rounds (`_interleaved_times`) of what
+    """Median over up to `repeats` rounds (`interleaved_times`) of what
     `function` took beyond `baseline` called right after it: a small difference of two larger times, which
     the difference of their separate medians buries in load (on 4 busy
     workers a densifying cost read 53,800-311,259 us per M pairs that way,
     27,647-34,397 paired in 9 of 12 calibrations:
     benchmarks/history/2026-11-25-autopilot-remedies.md, remedy 8)."""
-    first, second = _interleaved_times([function, baseline], repeats, within_s)
+    first, second = interleaved_times([function, baseline], repeats, within_s)
     return statistics.median(a - b for a, b in zip(first, second))
 
 
-def _interleaved_times(functions, repeats, within_s=None, warm_up=True):
+def interleaved_times(functions, repeats, within_s=None, warm_up=True):
     """Seconds of each call of each function, `repeats` rounds in turn, after
     one call of each that traces (none where `warm_up` is False: traced
     already). With `within_s`, the rounds stop early where
